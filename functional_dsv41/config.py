@@ -1,0 +1,413 @@
+"""Model configuration: one frozen dataclass whose fields are the inference ``config.json`` keys.
+
+SPEC §0 lists every key and its release value; §0.1 derives the per-layer roles that the methods
+below compute (attention mode, which layer's compressed KV / index keys / top-k a layer reads, MoE
+size of a layer, RoPE base and YaRN of a layer).
+
+The config is static: pass it by keyword (``cfg=cfg``), never inside params. Every field defaults to
+the released value, so ``Config()`` is DeepSeek-V4.1-Flash; ``Config.flash()`` says so explicitly and
+``Config.tiny()`` is the small model of the test fixtures.
+
+Layer ids: backbone blocks are ``0 .. n_layers-1``; DSpark draft stages are ``n_layers .. n_layers +
+n_mtp_layers - 1`` (checkpoint namespace ``mtp.{s}``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+AttnMode = Literal["window", "full", "reindex", "reuse"]
+
+_FP8_BLOCK = 32  # dense fp8 weights: 32x32 blocks; activations: 1x32 (SPEC §9)
+_FP4_BLOCK = 32  # fp4 experts: 1x32 blocks
+
+
+class ConfigError(ValueError):
+    """A config that would make the model fail or silently compute something else."""
+
+
+def _release_ratios() -> tuple[int, ...]:
+    return (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Config:
+    # -- runtime keys of the reference's ModelArgs (not in the release config.json) --
+    max_batch_size: int = 4
+    max_seq_len: int = 65536
+    temperature: float = 1.0
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    # -- storage --
+    dtype: Optional[str] = "fp8"          # dense Linear storage: "fp8" (e4m3, 32x32 e8m0 scales) or "bf16"
+    expert_dtype: Optional[str] = "fp4"   # routed experts: "fp4" (e2m1, 1x32 e8m0 scales) or None = like dtype
+    # -- backbone --
+    vocab_size: int = 129280
+    dim: int = 5120
+    n_layers: int = 40
+    n_mtp_layers: int = 3
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    norm_eps: float = 1e-20
+    # -- MoE --
+    n_routed_experts: int = 384
+    n_activated_experts: int = 6
+    n_shared_experts: int = 1
+    moe_inter_dim: int = 2304
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    # -- compressed attention, indexer --
+    compress_ratios: tuple[int, ...] = field(default_factory=_release_ratios)
+    kv_source_layers: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layers: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    compress_rope_theta: float = 160000.0
+    rope_theta: float = 10000.0
+    original_seq_len: int = 65536
+    rope_factor: float = 16
+    beta_fast: float = 32
+    beta_slow: float = 1
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    # -- manifold-constrained hyper-connections --
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # -- Engram --
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    # -- vision --
+    vision_n_layers: int = 32
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 295936
+    vision_max_wh_ratio: Optional[float] = None
+    image_token_id: int = 129264
+    # -- DSpark draft stages --
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_n_activated_experts: int = 3
+
+    # ------------------------------------------------------------------ construction
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, list):  # lists from JSON become tuples so the config stays hashable
+                object.__setattr__(self, f.name, tuple(v))
+        self._validate()
+
+    @classmethod
+    def flash(cls, **overrides) -> "Config":
+        """The released DeepSeek-V4.1-Flash values (SPEC §0)."""
+        return cls(**overrides)
+
+    @classmethod
+    def tiny(cls, **overrides) -> "Config":
+        """The 10-layer model of the test fixtures (``fixtures/tiny-bf16/config.json``), bf16 storage."""
+        base = dict(
+            max_batch_size=4, max_seq_len=64, temperature=0.0, dtype="bf16", expert_dtype=None,
+            vocab_size=512, dim=128, moe_inter_dim=32, n_layers=10, n_mtp_layers=2, n_heads=4,
+            n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, swiglu_limit=2.0,
+            q_lora_rank=64, head_dim=64, rope_head_dim=16, o_groups=2, o_lora_rank=32, window_size=8,
+            compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0), kv_source_layers=(2, 5),
+            index_source_layers=(2, 5, 7), index_n_heads=8, index_head_dim=32, index_topk=4,
+            candidate_source_layer=5, candidate_topk_blocks=3, candidate_block_size=2,
+            engram_layer_ids=(1, 4), engram_num_embeddings=(2514, 2712), engram_vocab_size=400,
+            engram_n_heads=2, engram_head_dim=32, engram_compressed_vocab_size=334,
+            vision_n_layers=0, vision_dim=64, vision_n_heads=4, vision_inter_dim=96,
+            vision_max_n_token=16, vision_min_pixels=6000, image_token_id=510,
+            dspark_block_size=3, dspark_noise_token_id=511, dspark_target_layer_ids=(7, 8, 9),
+            dspark_markov_rank=32, dspark_n_routed_experts=4, dspark_n_activated_experts=2,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Config":
+        """Read an inference-style ``config.json`` (the reference's ``ModelArgs`` keys)."""
+        try:
+            with open(path) as fh:
+                d = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=4)
+            fh.write("\n")
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        def bad(name: str, msg: str):
+            raise ConfigError(f"{name}: {msg}")
+
+        # field types: every JSON value must have the annotated kind
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            t = f.type if isinstance(f.type, str) else str(f.type)
+            if t.startswith("tuple"):
+                if not isinstance(v, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+                    bad(f.name, f"expected a list of integers, got {v!r}")
+            elif t == "int":
+                if not isinstance(v, int) or isinstance(v, bool):
+                    bad(f.name, f"expected an integer, got {v!r}")
+            elif t == "float":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                    bad(f.name, f"expected a finite number, got {v!r}")
+            elif t == "bool":
+                if not isinstance(v, bool):
+                    bad(f.name, f"expected true/false, got {v!r}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+                     "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts", "moe_inter_dim",
+                     "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+                     "candidate_topk_blocks", "candidate_block_size", "max_batch_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("n_mtp_layers", "n_shared_experts", "vision_n_layers"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.dtype not in ("fp8", "bf16", None):
+            bad("dtype", f"must be 'fp8' or 'bf16', got {self.dtype!r}")
+        if self.expert_dtype not in ("fp4", "fp8", "bf16", None):
+            bad("expert_dtype", f"must be 'fp4', 'fp8', 'bf16' or null, got {self.expert_dtype!r}")
+        if self.score_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            bad("score_func", f"must be softmax, sigmoid or sqrtsoftplus, got {self.score_func!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if self.n_activated_experts > self.n_routed_experts:
+            bad("n_activated_experts", f"{self.n_activated_experts} > n_routed_experts {self.n_routed_experts}")
+        if self.n_mtp_layers and self.dspark_n_activated_experts > self.dspark_n_routed_experts:
+            bad("dspark_n_activated_experts",
+                f"{self.dspark_n_activated_experts} > dspark_n_routed_experts {self.dspark_n_routed_experts}")
+
+        # attention geometry
+        if self.rope_head_dim % 2 or not 0 < self.rope_head_dim <= min(self.head_dim, self.index_head_dim):
+            bad("rope_head_dim", f"must be even and <= head_dim and index_head_dim, got {self.rope_head_dim}")
+        if self.n_heads % self.o_groups:
+            bad("o_groups", f"n_heads {self.n_heads} is not divisible by o_groups {self.o_groups}")
+        if self.head_dim % _FP8_BLOCK:
+            bad("head_dim", f"{self.head_dim} is not a multiple of 32 (the KV latent is fp8-QDQ'd in 1x32 blocks)")
+        if self.index_head_dim % 32:
+            bad("index_head_dim", f"{self.index_head_dim} is not a multiple of 32 (fp4 QDQ blocks of 32)")
+
+        # quantized storage: every fp8 GEMM input dim is split into 32-wide activation blocks
+        if self.dtype == "fp8":
+            for name, v in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank),
+                            ("moe_inter_dim", self.moe_inter_dim),
+                            ("o_lora_rank*o_groups", self.o_lora_rank * self.o_groups),
+                            ("engram_head_dim", self.engram_head_dim)):
+                if v % _FP8_BLOCK:
+                    bad(name.split("*")[0], f"{name} = {v} is not a multiple of the 32-wide fp8 block")
+        if self.expert_dtype == "fp4":
+            for name, v in (("dim", self.dim), ("moe_inter_dim", self.moe_inter_dim)):
+                if v % _FP4_BLOCK:
+                    bad(name, f"{v} is not a multiple of the 32-wide fp4 expert block")
+
+        # per-layer compression roles (SPEC §0.1)
+        nt = self.n_layers + self.n_mtp_layers
+        if len(self.compress_ratios) != nt:
+            bad("compress_ratios", f"has {len(self.compress_ratios)} entries, expected n_layers + n_mtp_layers = {nt}")
+        if any(r < 0 for r in self.compress_ratios):
+            bad("compress_ratios", f"entries must be >= 0, got {list(self.compress_ratios)}")
+        if any(self.compress_ratios[self.n_layers:]):
+            bad("compress_ratios", "DSpark stages (the last n_mtp_layers entries) are window-only: ratio must be 0")
+        for name in ("kv_source_layers", "index_source_layers"):
+            ls = getattr(self, name)
+            if list(ls) != sorted(set(ls)):
+                bad(name, f"must be strictly increasing, got {list(ls)}")
+            for L in ls:
+                if not 0 <= L < self.n_layers:
+                    bad(name, f"layer {L} is not a backbone layer (0..{self.n_layers - 1})")
+                if self.compress_ratios[L] == 0:
+                    bad(name, f"layer {L} has compress ratio 0, so it has no compressed KV to share")
+        for L in self.kv_source_layers:
+            if L not in self.index_source_layers:
+                bad("kv_source_layers", f"layer {L} owns index keys, so it must also be in index_source_layers")
+        for L in range(self.n_layers):
+            r = self.compress_ratios[L]
+            if r == 0:
+                continue
+            src = self._last_at_or_before(self.kv_source_layers, L)
+            if src is None:
+                bad("kv_source_layers", f"layer {L} has compress ratio {r} but no kv source layer at or before it")
+            if self.compress_ratios[src] != r:
+                bad("compress_ratios", f"layer {L} has ratio {r} but its kv source layer {src} has ratio "
+                                       f"{self.compress_ratios[src]}")
+        c = self.candidate_source_layer
+        if c >= 0:
+            if c not in self.index_source_layers:
+                bad("candidate_source_layer", f"layer {c} is not in index_source_layers")
+            for L in self.index_source_layers:
+                if L > c and self.kv_source(L) != self.kv_source(c):
+                    bad("candidate_source_layer", f"reindex layer {L} reads the kv of layer {self.kv_source(L)} "
+                                                  f"but its candidates come from layer {c} over the kv of "
+                                                  f"layer {self.kv_source(c)}")
+
+        # Engram
+        if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+            bad("engram_num_embeddings", f"has {len(self.engram_num_embeddings)} entries for "
+                                         f"{len(self.engram_layer_ids)} engram_layer_ids")
+        if list(self.engram_layer_ids) != sorted(set(self.engram_layer_ids)):
+            bad("engram_layer_ids", f"must be strictly increasing, got {list(self.engram_layer_ids)}")
+        for L in self.engram_layer_ids:
+            if not 0 <= L < self.n_layers:
+                bad("engram_layer_ids", f"layer {L} is not a backbone layer (0..{self.n_layers - 1})")
+        if self.engram_layer_ids and self.engram_max_ngram_size < 2:
+            bad("engram_max_ngram_size", f"must be >= 2, got {self.engram_max_ngram_size}")
+        if self.engram_layer_ids and self.engram_head_dim % 32:
+            bad("engram_head_dim", f"{self.engram_head_dim} is not a multiple of the 32-column table scale block")
+
+        # DSpark
+        if self.n_mtp_layers:
+            for L in self.dspark_target_layer_ids:
+                if not 0 <= L < self.n_layers:
+                    bad("dspark_target_layer_ids", f"layer {L} is not a backbone layer")
+            if self.dspark_block_size < 1:
+                bad("dspark_block_size", f"must be >= 1, got {self.dspark_block_size}")
+        for name in ("image_token_id", "dspark_noise_token_id", "engram_pad_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                bad(name, f"token id {getattr(self, name)} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.vision_n_layers:
+            if self.vision_dim % self.vision_n_heads:
+                bad("vision_n_heads", f"vision_dim {self.vision_dim} not divisible by {self.vision_n_heads}")
+
+    @staticmethod
+    def _last_at_or_before(layers: tuple[int, ...], L: int) -> Optional[int]:
+        c = [s for s in layers if s <= L]
+        return c[-1] if c else None
+
+    # ------------------------------------------------------------------ derived per-layer facts
+    @property
+    def n_total_layers(self) -> int:
+        """Backbone blocks plus DSpark stages."""
+        return self.n_layers + self.n_mtp_layers
+
+    @property
+    def vision_enabled(self) -> bool:
+        return self.vision_n_layers > 0
+
+    @property
+    def hc_dim(self) -> int:
+        return self.hc_mult * self.dim
+
+    @property
+    def n_hc_mix(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    def is_dspark(self, L: int) -> bool:
+        return L >= self.n_layers
+
+    def param_prefix(self, L: int) -> str:
+        """Checkpoint namespace of layer id L: ``layers.L`` or ``mtp.S``."""
+        return f"mtp.{L - self.n_layers}" if self.is_dspark(L) else f"layers.{L}"
+
+    def compress_ratio(self, L: int) -> int:
+        return self.compress_ratios[L]
+
+    def kv_source(self, L: int) -> Optional[int]:
+        """The layer whose compressor produced the compressed KV that layer L attends to (None: window only)."""
+        if self.is_dspark(L) or self.compress_ratios[L] == 0:
+            return None
+        return self._last_at_or_before(self.kv_source_layers, L)
+
+    def index_source(self, L: int) -> Optional[int]:
+        """The layer whose indexer chose the compressed top-k that layer L uses."""
+        if self.kv_source(L) is None:
+            return None
+        return self._last_at_or_before(self.index_source_layers, L)
+
+    def uses_candidates(self, L: int) -> bool:
+        """Reindex layers after the candidate source restrict their indexer to its candidate blocks."""
+        return L in self.index_source_layers and 0 <= self.candidate_source_layer < L
+
+    def attn_mode(self, L: int) -> AttnMode:
+        """SPEC §0.1: 'window' (ratio 0), 'full' (own compressor + indexer), 'reindex' (own indexer
+        over another layer's keys), 'reuse' (another layer's KV and top-k)."""
+        if self.kv_source(L) is None:
+            return "window"
+        if L in self.kv_source_layers:
+            return "full"
+        if L in self.index_source_layers:
+            return "reindex"
+        return "reuse"
+
+    def rope_params(self, L: int) -> tuple[float, bool]:
+        """(base, yarn) of layer L: compressed layers use compress_rope_theta with YaRN on every q/k."""
+        if self.is_dspark(L) or self.compress_ratios[L] == 0:
+            return self.rope_theta, False
+        return self.compress_rope_theta, True
+
+    def moe_experts(self, L: int) -> tuple[int, int]:
+        """(routed experts, experts per token) of layer L; DSpark stages have their own."""
+        if self.is_dspark(L):
+            return self.dspark_n_routed_experts, self.dspark_n_activated_experts
+        return self.n_routed_experts, self.n_activated_experts
+
+    def engram_index(self, L: int) -> Optional[int]:
+        """Position of L in engram_layer_ids (which table it reads), or None."""
+        return self.engram_layer_ids.index(L) if L in self.engram_layer_ids else None
+
+    @property
+    def layer_ids(self) -> range:
+        return range(self.n_layers)
+
+    @property
+    def dspark_layer_ids(self) -> range:
+        return range(self.n_layers, self.n_total_layers)
+
+    @property
+    def dense_quantized(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
+    def experts_dtype(self) -> Optional[str]:
+        """Storage of routed experts: expert_dtype, else the dense dtype."""
+        return self.expert_dtype or self.dtype

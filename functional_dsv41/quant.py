@@ -1,0 +1,205 @@
+"""Storage formats of the release and the activation QDQ of its kernels (SPEC §9, §10.1-10.2).
+
+Formats (all scales are e8m0 = a pure power of two 2^(e-127), unless noted):
+
+- fp8 dense weight: ``q`` e4m3 ``[N, K]`` + ``scale`` e8m0 ``[ceil(N/32), ceil(K/32)]`` (32x32 blocks),
+  ``W = q * 2^(E-127)``, with ``scale = 2^ceil(log2(amax/448))`` per block.
+- fp4 routed expert: ``q`` float4_e2m1fn_x2 ``[N, K/2]`` (element 2j in the LOW nibble of byte j, element
+  2j+1 in the high nibble) + ``scale`` e8m0 ``[N, K/32]`` (1x32 blocks), ``scale = 2^ceil(log2(amax/6))``.
+- fp8 rows (Engram tables): e4m3 ``[R, D]`` + e8m0 ``[R, D/32]``: a 1x32 block per row.
+
+Activation QDQ (``act_quant``, ``fp4_act_quant``) reproduces the release's quantizers bit for bit; the
+``kernels`` package exposes them behind its implementation switch.
+
+Shape suffixes: N = output rows, K = input columns, B = blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+FP4X2 = torch.float4_e2m1fn_x2
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+BLOCK = 32
+
+# E2M1 code -> value; bit 3 is the sign (SPEC §9).
+FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                          -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- e8m0 scales
+def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 (or its uint8 bytes) -> fp32 2^(e-127)."""
+    e = s.view(torch.uint8) if s.dtype == E8M0 else s
+    e = e.to(torch.int32) - 127
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+
+
+def float_to_e8m0(p: torch.Tensor) -> torch.Tensor:
+    """Exact powers of two (fp32) -> e8m0. Refuses anything that is not a power of two."""
+    p = p.float()
+    m, e = torch.frexp(p)  # p = m * 2^e, m in [0.5, 1)
+    if not bool(((m == 0.5) & (p > 0)).all()):
+        raise ValueError("float_to_e8m0: every scale must be a positive power of two")
+    return (e - 1 + 127).to(torch.uint8).view(E8M0)
+
+
+def pow2_ceil_scale(amax: torch.Tensor, inv_max: float) -> torch.Tensor:
+    """2^ceil(log2(amax * inv_max)) computed with the release's exponent-bit trick (fp32, exact).
+
+    ``amax * fp32(inv_max)`` is a multiplication by the rounded reciprocal, as the kernels do; the
+    exponent is then rounded up whenever the mantissa is non-zero.
+    """
+    v = (amax.float() * torch.tensor(inv_max, dtype=torch.float32))
+    bits = v.view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the {block}-wide block")
+    return x.unflatten(-1, (x.shape[-1] // block, block))
+
+
+# ----------------------------------------------------------------------------- fp4 codes
+def fp4_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round values already scaled into [-6, 6] to E2M1 codes (uint8 0..15), ties to the even code.
+
+    Ties: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (SPEC §10.2).
+    """
+    a = v.abs()
+    code = torch.zeros_like(a, dtype=torch.uint8)
+    # thresholds (value, inclusive?) where the code steps up; <= keeps ties on the even code
+    for bound, inclusive in ((0.25, True), (0.75, False), (1.25, True), (1.75, False),
+                             (2.5, True), (3.5, False), (5.0, True)):
+        code += (a > bound) if inclusive else (a >= bound)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def fp4_decode(code: torch.Tensor) -> torch.Tensor:
+    return FP4_TABLE.to(code.device)[code.long()]
+
+
+def pack_fp4(code: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] -> bytes [..., K/2] uint8: element 2j low nibble, 2j+1 high nibble."""
+    c = code.unflatten(-1, (-1, 2))
+    return (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """bytes [..., K/2] (uint8 or float4_e2m1fn_x2) -> uint8 codes [..., K]."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------- weights
+def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """fp8 e4m3 [N, K] with e8m0 [ceil(N/32), ceil(K/32)] -> dtype [N, K]."""
+    N, K = q.shape
+    s = e8m0_to_float(scale).repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    return (q.float() * s).to(dtype)
+
+
+def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (e4m3 [N, K], e8m0 [ceil(N/32), ceil(K/32)]) with 2^ceil(log2(amax/448)) scales.
+
+    Zero blocks get the smallest normal-range scale so that they round-trip as zeros.
+    """
+    N, K = w.shape
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    wp = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    wp[:N, :K] = w.float()
+    blk = wp.view(nb, BLOCK, kb, BLOCK)
+    amax = blk.abs().amax(dim=(1, 3)).clamp_min(1e-4)
+    s = pow2_ceil_scale(amax, 1.0 / FP8_MAX)
+    q = (blk / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * BLOCK, kb * BLOCK)[:N, :K].to(FP8)
+    return q, float_to_e8m0(s)
+
+
+def dequant_fp4(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """fp4 [N, K/2] packed with e8m0 [N, K/32] -> dtype [N, K]."""
+    vals = fp4_decode(unpack_fp4(q))
+    s = e8m0_to_float(scale).repeat_interleave(BLOCK, -1)
+    return (vals * s).to(dtype)
+
+
+def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (float4_e2m1fn_x2 [N, K/2], e8m0 [N, K/32]), scales 2^ceil(log2(amax/6))."""
+    blk = _blocks(w.float(), BLOCK)
+    amax = blk.abs().amax(-1).clamp_min(FP4_MAX * 2.0 ** -126)
+    s = pow2_ceil_scale(amax, 1.0 / FP4_MAX)
+    codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
+    return pack_fp4(codes).view(FP4X2), float_to_e8m0(s)
+
+
+def dequant_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """fp8 rows [..., D] with e8m0 per-32-column scales [..., D/32] -> dtype [..., D] (Engram rows)."""
+    s = e8m0_to_float(scale)
+    return (_blocks(q.float(), BLOCK) * s[..., None]).flatten(-2).to(dtype)
+
+
+def quant_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., D] -> (e4m3 [..., D], e8m0 [..., D/32]): 1x32 blocks with power-of-two scales."""
+    q, s = act_quant(w, BLOCK, scale_fmt="ue8m0", _allow_float=True)
+    return q, s
+
+
+# ----------------------------------------------------------------------------- activations (SPEC §10.1-10.2)
+def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = "ue8m0",
+              scale_dtype: torch.dtype = E8M0, *, _allow_float: bool = False):
+    """Per-row 1 x block_size fp8 quantization: returns (q e4m3 [..., N], s [..., N/bs]).
+
+    ``amax = max(|x|, 1e-4)``; ue8m0: ``s = 2^ceil(log2(amax/448))``, else ``s = amax/448``;
+    ``q = e4m3(clamp(x/s, -448, 448))``. Input is bf16 in the release (``_allow_float`` lets weight
+    export use the same rule on fp32 values).
+    """
+    if x.dtype != torch.bfloat16 and not _allow_float:
+        raise TypeError(f"act_quant expects bf16 input, got {x.dtype}")
+    blk = _blocks(x.float(), block_size)
+    amax = blk.abs().amax(-1).clamp_min(1e-4)
+    if scale_fmt is not None:
+        s = pow2_ceil_scale(amax, 1.0 / FP8_MAX)
+    else:
+        s = amax / FP8_MAX
+    q = (blk / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)
+    if scale_dtype == E8M0:
+        return q, float_to_e8m0(s)
+    return q, s.to(scale_dtype)
+
+
+def act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
+    """The ``inplace=True`` form of act_quant: fp8 QDQ with ue8m0 scales, result in x's dtype."""
+    q, s = act_quant(x, block_size, "ue8m0", torch.float32)
+    return (_blocks(q.float(), block_size) * s[..., None]).flatten(-2).to(x.dtype)
+
+
+def fp4_act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_dtype: torch.dtype = E8M0):
+    """Per-row 1 x block_size E2M1 quantization: returns (packed uint8 [..., N/2], scales [..., N/bs]).
+
+    e8m0 scales (indexer q/k, block 32): ``amax >= 6*2^-126``, ``s = 2^ceil(log2(amax/6))``.
+    e4m3 scales (compressed KV, block 16): ``amax >= 6*2^-9``, ``s = e4m3(amax/6)`` (saturating).
+    """
+    blk = _blocks(x.float(), block_size)
+    amax = blk.abs().amax(-1)
+    if scale_dtype == E8M0:
+        s = pow2_ceil_scale(amax.clamp_min(FP4_MAX * 2.0 ** -126), 1.0 / FP4_MAX)
+        s_out = float_to_e8m0(s)
+    elif scale_dtype == FP8:
+        s_out = (amax.clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).clamp(max=FP8_MAX).to(FP8)
+        s = s_out.float()
+    else:
+        raise ValueError(f"fp4_act_quant: scale_dtype must be e8m0 or e4m3, got {scale_dtype}")
+    codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
+    return pack_fp4(codes), s_out
+
+
+def fp4_act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK,
+                          scale_dtype: torch.dtype = E8M0) -> torch.Tensor:
+    """The ``inplace=True`` form: E2M1 QDQ, result in x's dtype."""
+    packed, s = fp4_act_quant(x, block_size, scale_dtype)
+    sf = e8m0_to_float(s) if scale_dtype == E8M0 else s.float()
+    vals = _blocks(fp4_decode(unpack_fp4(packed)), block_size) * sf[..., None]
+    return vals.flatten(-2).to(x.dtype)

@@ -1,0 +1,106 @@
+"""The release's kernels behind one API, with an implementation switch (SPEC §10; DESIGN convention 6).
+
+    from functional_dsv41 import kernels
+    o = kernels.sparse_attn(q, kv, sink, idx, scale, impl="auto")
+
+``impl``: ``"torch"`` (the pure-torch executable spec, ``kernels/reference.py``, runs everywhere),
+``"tilelang"`` (GPU kernels in ``kernels/tilelang/``; an error where they cannot run) or ``"auto"``
+(TileLang on a CUDA tensor where TileLang imports and implements the op, torch otherwise). The
+default for a process can be set with ``DSV41_KERNELS=torch|tilelang|auto``.
+
+Model code calls these names only; it never imports an implementation directly.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Callable
+
+from . import reference
+
+OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn", "hc_split_sinkhorn")
+IMPLS = ("auto", "torch", "tilelang")
+
+
+@functools.lru_cache(maxsize=1)
+def tilelang_status() -> tuple[bool, str]:
+    """Capability probe: (usable, reason). Usable needs CUDA and an importable ``tilelang``."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+    except Exception as e:  # pragma: no cover
+        return False, f"torch: {e}"
+    try:
+        importlib.import_module("tilelang")
+    except Exception as e:
+        return False, f"tilelang does not import: {type(e).__name__}: {e}"
+    return True, "ok"
+
+
+def tilelang_available() -> bool:
+    return tilelang_status()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_op(name: str) -> Callable | None:
+    """The TileLang implementation of op ``name``, or None if it has none (yet)."""
+    if not tilelang_available():
+        return None
+    try:
+        mod = importlib.import_module(f"{__name__}.tilelang")
+    except ImportError:
+        return None
+    return getattr(mod, name, None)
+
+
+def default_impl() -> str:
+    impl = os.environ.get("DSV41_KERNELS", "auto")
+    if impl not in IMPLS:
+        raise ValueError(f"DSV41_KERNELS={impl!r}: expected one of {IMPLS}")
+    return impl
+
+
+def resolve(name: str, impl: str | None = None, *, on_cuda: bool = True) -> Callable:
+    """The function that runs op ``name`` under ``impl``."""
+    if name not in OPS:
+        raise ValueError(f"unknown kernel {name!r}; known: {OPS}")
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return getattr(reference, name)
+    if impl == "tilelang":
+        ok, why = tilelang_status()
+        if not ok:
+            raise RuntimeError(f"impl='tilelang' for {name}: TileLang cannot run here ({why})")
+        fn = _tilelang_op(name)
+        if fn is None:
+            raise NotImplementedError(f"no TileLang implementation of {name}")
+        return fn
+    fn = _tilelang_op(name) if on_cuda else None
+    return fn or getattr(reference, name)
+
+
+def _first_tensor_is_cuda(args) -> bool:
+    for a in args:
+        if hasattr(a, "is_cuda"):
+            return bool(a.is_cuda)
+    return False
+
+
+def _dispatcher(name: str):
+    def op(*args, impl: str | None = None, **kwargs):
+        return resolve(name, impl, on_cuda=_first_tensor_is_cuda(args))(*args, **kwargs)
+    op.__name__ = name
+    op.__doc__ = getattr(reference, name).__doc__
+    return op
+
+
+act_quant = _dispatcher("act_quant")
+fp4_act_quant = _dispatcher("fp4_act_quant")
+fp8_gemm = _dispatcher("fp8_gemm")
+fp4_gemm = _dispatcher("fp4_gemm")
+sparse_attn = _dispatcher("sparse_attn")
+hc_split_sinkhorn = _dispatcher("hc_split_sinkhorn")

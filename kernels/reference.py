@@ -1,0 +1,99 @@
+"""Pure-torch implementations of the release's six kernels (SPEC §10): the executable spec.
+
+They run everywhere (CPU CI included), are differentiable with ``torch.autograd`` and ``torch.func``
+(the quantizers are not: rounding has no gradient; model code wraps them in straight-through
+estimators), and the TileLang implementations are tested against them.
+
+Shape legend: B batch, M queries, H heads, D head dim, T index slots, N kv rows / output cols, K reduce.
+"""
+from __future__ import annotations
+
+import torch
+
+from functional_dsv41 import quant
+
+act_quant = quant.act_quant
+fp4_act_quant = quant.fp4_act_quant
+
+
+def _scales_to_float(s: torch.Tensor) -> torch.Tensor:
+    return quant.e8m0_to_float(s) if s.dtype == quant.E8M0 else s.float()
+
+
+def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+             scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """C = A @ B^T with block scales (SPEC §10.3).
+
+    a e4m3 [..., K] with a_s [..., K/bs]; b e4m3 [N, K] with b_s [ceil(N/bs), K/bs].
+    Accumulates in fp32 (the kernel sums each K block then scales it; equal up to summation order).
+    """
+    K = a.shape[-1]
+    if b.shape[-1] != K:
+        raise ValueError(f"fp8_gemm: a has K={K}, b has K={b.shape[-1]}")
+    a_f = (a.float().unflatten(-1, (-1, block_size)) * _scales_to_float(a_s)[..., None]).flatten(-2)
+    N = b.shape[0]
+    bs = _scales_to_float(b_s).repeat_interleave(block_size, 0)[:N].repeat_interleave(block_size, 1)[:, :K]
+    return (a_f @ (b.float() * bs).T).to(out_dtype)
+
+
+def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+             scale_dtype=quant.E8M0, act_block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """C = A @ fp4(B)^T (SPEC §10.4): a e4m3 [..., K] with per-act_block_size scales; b packed e2m1
+    [N, K/2] with e8m0 [N, K/32]."""
+    K = a.shape[-1]
+    a_f = (a.float().unflatten(-1, (-1, act_block_size)) * _scales_to_float(a_s)[..., None]).flatten(-2)
+    w = quant.dequant_fp4(b, b_s, torch.float32)
+    if w.shape[-1] != K:
+        raise ValueError(f"fp4_gemm: a has K={K}, b has K={w.shape[-1]}")
+    return (a_f @ w.T).to(out_dtype)
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
+                softmax_scale: float, block: int = 64) -> torch.Tensor:
+    """Single shared KV head attention over index lists (SPEC §10.5).
+
+    q [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), attn_sink [H] fp32, topk_idxs [B, M, T] int
+    (-1 = none). Online softmax over index blocks of ``block`` exactly as the release kernel runs it:
+    running max starts at -1e30 (an all-invalid row returns 0), probabilities are cast to bf16 before
+    P @ V, the sink adds ``exp(sink - m)`` to the denominator only. Returns o [B, M, H, D] bf16.
+    """
+    B, M, H, D = q.shape
+    T = topk_idxs.shape[-1]
+    qf = q.float()
+    m = torch.full((B, M, H), -1e30, dtype=torch.float32, device=q.device)
+    l = torch.zeros((B, M, H), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, M, H, D), dtype=torch.float32, device=q.device)
+    bidx = torch.arange(B, device=q.device)[:, None, None]
+    for t0 in range(0, T, block):
+        idx = topk_idxs[..., t0:t0 + block].long()                      # [B, M, t]
+        valid = idx >= 0
+        kv_t = kv[bidx, idx.clamp_min(0)]                               # [B, M, t, D] bf16
+        s = torch.einsum("bmhd,bmtd->bmht", qf, kv_t.float()) * softmax_scale
+        s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bmht,bmtd->bmhd", p.to(torch.bfloat16).float(), kv_t.float())
+        m = m_new
+    l = l + torch.exp(attn_sink.float() - m)
+    return (acc / l[..., None]).to(torch.bfloat16)
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+                      hc_mult: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6):
+    """Split the (2+hc)*hc mixes into pre [.., hc], post [.., hc], comb [.., hc, hc] (SPEC §2, §10.6). fp32.
+
+    comb = softmax over the last dim + eps, column-normalise, then (iters-1) x (row, column) normalise.
+    """
+    hc = hc_mult
+    mixes = mixes.float()
+    pre = torch.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc])
+    c = (mixes[..., 2 * hc:] * hc_scale[2] + hc_base[2 * hc:]).unflatten(-1, (hc, hc))
+    c = torch.softmax(c, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(sinkhorn_iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return pre, post, c

@@ -1,0 +1,52 @@
+"""Shared test helpers: where the golden fixtures live, and GPU marking.
+
+The fixtures are found through ``DSV41_FIXTURES`` (default: ``../shared/fixtures`` beside the
+repository). Where a fixture folder is absent the golden tests skip, saying what is missing.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(os.environ.get("DSV41_FIXTURES", REPO.parent / "shared" / "fixtures"))
+
+
+def fixture_dir(name: str) -> Path:
+    """Path of fixtures/<name>; skips the calling test when it is not there."""
+    p = FIXTURES / name
+    if not p.is_dir():
+        pytest.skip(f"golden fixture folder {p} not found (set DSV41_FIXTURES)")
+    return p
+
+
+_GOLDEN_CACHE: dict = {}
+
+
+def golden(name: str) -> dict[str, torch.Tensor]:
+    """fixtures/<name>/golden.safetensors as a dict (cached per session)."""
+    if name not in _GOLDEN_CACHE:
+        from safetensors.torch import load_file
+        _GOLDEN_CACHE[name] = load_file(str(fixture_dir(name) / "golden.safetensors"))
+    return _GOLDEN_CACHE[name]
+
+
+def cosine_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DESIGN.md metric: 1 - 2<x,y>/(|x|^2+|y|^2) in float64."""
+    x, y = x.double().flatten(), y.double().flatten()
+    den = (x * x).sum() + (y * y).sum()
+    if den == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / den)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,98 @@
+"""The torch kernels against the release kernels' golden file (SPEC §10; fixtures/kernels)."""
+import pytest
+import torch
+
+from functional_dsv41 import kernels as K
+from functional_dsv41 import quant as Q
+
+from conftest import golden
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def test_act_quant_bit_exact():
+    g = golden("kernels")
+    q, s = K.act_quant(g["act_quant.x"], 32, "ue8m0", Q.E8M0, impl="torch")
+    assert torch.equal(_bytes(q), _bytes(g["act_quant.q"]))
+    assert torch.equal(_bytes(s), _bytes(g["act_quant.s"]))
+    assert torch.equal(Q.act_quant_dequant(g["act_quant.x"]), g["act_quant.qdq"])
+
+
+@pytest.mark.parametrize("name,bs,sd", [("e8m0_b32", 32, Q.E8M0), ("e4m3_b16", 16, Q.FP8)])
+def test_fp4_act_quant_bit_exact(name, bs, sd):
+    g = golden("kernels")
+    x = g["fp4_act_quant.x"]
+    packed, s = K.fp4_act_quant(x, bs, sd, impl="torch")
+    assert torch.equal(packed, _bytes(g[f"fp4_act_quant.{name}.packed"]))
+    assert torch.equal(_bytes(s), _bytes(g[f"fp4_act_quant.{name}.s"]))
+    assert torch.equal(Q.fp4_act_quant_dequant(x, bs, sd), g[f"fp4_act_quant.{name}.qdq"])
+
+
+def _within_ulp(a, b, ulps=1):
+    # one bf16 ulp of |b| (relative 2^-8), plus a small absolute floor
+    tol = ulps * (b.float().abs() * 2 ** -8 + 1e-6)
+    return bool(((a.float() - b.float()).abs() <= tol).all())
+
+
+def test_fp8_gemm():
+    g = golden("kernels")
+    c = K.fp8_gemm(g["fp8_gemm.a"], g["fp8_gemm.a_s"], g["fp8_gemm.b"], g["fp8_gemm.b_s"], impl="torch")
+    assert c.dtype == torch.bfloat16 and c.shape == g["fp8_gemm.c"].shape
+    assert _within_ulp(c, g["fp8_gemm.c"])
+
+
+def test_fp4_gemm():
+    g = golden("kernels")
+    b = g["fp4_gemm.b_packed"].view(torch.float4_e2m1fn_x2)
+    c = K.fp4_gemm(g["fp4_gemm.a"], g["fp4_gemm.a_s"], b, g["fp4_gemm.b_s"], impl="torch")
+    assert _within_ulp(c, g["fp4_gemm.c"])
+
+
+def test_sparse_attn():
+    g = golden("kernels")
+    o = K.sparse_attn(g["sparse_attn.q"], g["sparse_attn.kv"], g["sparse_attn.sink"], g["sparse_attn.idx"],
+                      64 ** -0.5, impl="torch")
+    assert _within_ulp(o, g["sparse_attn.o"])
+    assert (o[1, 2] == 0).all(), "an all -1 index row must give 0, not NaN"
+
+
+def test_sparse_attn_matches_dense_softmax_with_sink():
+    """Independent check of the math: softmax over the selected keys plus the sink logit."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 3, 2, 32).bfloat16()
+    kv = torch.randn(1, 20, 32).bfloat16()
+    sink = torch.randn(2)
+    idx = torch.tensor([[[0, 5, -1, 7], [1, 2, 3, -1], [19, -1, -1, 4]]], dtype=torch.int32)
+    o = K.sparse_attn(q, kv, sink, idx, 0.3, impl="torch")
+    for m in range(3):
+        sel = [i for i in idx[0, m].tolist() if i >= 0]
+        k = kv[0, sel].float()
+        for h in range(2):
+            logits = torch.cat([q[0, m, h].float() @ k.T * 0.3, sink[h:h + 1]])
+            p = torch.softmax(logits, 0)[:-1]
+            ref = p @ k
+            assert torch.allclose(o[0, m, h].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_hc_split_sinkhorn():
+    g = golden("kernels")
+    pre, post, comb = K.hc_split_sinkhorn(g["hc.mixes"], g["hc.scale"], g["hc.base"], 4, 20, 1e-6, impl="torch")
+    torch.testing.assert_close(pre, g["hc.pre"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(post, g["hc.post"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(comb, g["hc.comb"], atol=1e-5, rtol=1e-5)
+    # doubly stochastic up to eps
+    assert torch.allclose(comb.sum(-2), torch.ones(3, 5, 4), atol=1e-4)
+
+
+def test_impl_switch():
+    assert K.resolve("sparse_attn", "torch") is K.reference.sparse_attn
+    with pytest.raises(ValueError, match="unknown kernel"):
+        K.resolve("nope", "torch")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        K.resolve("fp8_gemm", "cuda")
+    if not K.tilelang_available():
+        assert K.resolve("fp8_gemm", "auto", on_cuda=False) is K.reference.fp8_gemm
+        with pytest.raises(RuntimeError, match="TileLang cannot run here"):
+            K.resolve("fp8_gemm", "tilelang")
