@@ -1,0 +1,85 @@
+"""``linear(x, p)``: one entry point for every weight storage format (SPEC §9 "linear() dispatch").
+
+``p`` is a parameter subtree ``{"weight": W}`` or ``{"weight": W, "scale": S}`` (and optionally
+``"bias"``). The storage dtype of ``W`` decides the path:
+
+- fp8 e4m3 + e8m0 32x32 scale, or fp4 e2m1 (packed) + e8m0 1x32 scale:
+  - ``mode="reference"``: activations quantised per 1x32 to fp8 (``act_quant``), block-scaled GEMM
+    (``fp8_gemm`` / ``fp4_gemm``), exactly as the release runs; bf16 out.
+  - ``mode="dequant"``: weight dequantised to x's dtype, plain matmul (differentiable w.r.t. x).
+- bf16/fp32 weights: ``F.linear(x, W)`` in x's dtype (the reference's default Linear); the caller
+  casts x first where the release computes in fp32 (router, compressor of ratio 2, heads).
+- ``mode="qat"``: training fake-quant. Float master weights go through fp8 32x32 (or, with
+  ``fake="fp4"``, fp4 1x32) weight QDQ and activations through fp8 1x32 QDQ, with straight-through
+  gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from functional_dsv41 import kernels, quant
+
+MODES = ("reference", "dequant", "qat")
+
+
+def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Value of ``y``, gradient of identity w.r.t. ``x`` (straight-through). Bit-exact: x - x == 0."""
+    return y.detach() + (x - x.detach())
+
+
+def is_quantized(w: torch.Tensor) -> bool:
+    return w.dtype in (quant.FP8, quant.FP4X2)
+
+
+def dequantize(p: dict, dtype=torch.bfloat16) -> torch.Tensor:
+    """The weight of subtree ``p`` as a plain ``dtype`` matrix."""
+    w = p["weight"]
+    if w.dtype == quant.FP8:
+        return quant.dequant_fp8_block(w, p["scale"], dtype)
+    if w.dtype == quant.FP4X2:
+        return quant.dequant_fp4(w, p["scale"], dtype)
+    return w.to(dtype)
+
+
+def fake_quant_weight(w: torch.Tensor, fmt: str = "fp8") -> torch.Tensor:
+    """QDQ of a float master weight in the release's storage format, straight-through gradient."""
+    with torch.no_grad():
+        if fmt == "fp8":
+            q = quant.dequant_fp8_block(*quant.quant_fp8_block(w), w.dtype)
+        elif fmt == "fp4":
+            q = quant.dequant_fp4(*quant.quant_fp4(w), w.dtype)
+        else:
+            raise ValueError(f"fake_quant_weight: fmt must be fp8 or fp4, got {fmt!r}")
+    return ste(w, q)
+
+
+def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
+    """fp8 1x32 QDQ of activations (ue8m0 scales), straight-through gradient."""
+    with torch.no_grad():
+        q = quant.act_quant_dequant(x.detach().to(torch.bfloat16)).to(x.dtype)
+    return ste(x, q)
+
+
+def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | None = None,
+           impl: str | None = None) -> torch.Tensor:
+    """y = x W^T (+ b). x [..., K] -> [..., N]. See the module docstring for the modes."""
+    w = p["weight"]
+    b = p.get("bias")
+    if mode not in MODES:
+        raise ValueError(f"linear: mode must be one of {MODES}, got {mode!r}")
+    if is_quantized(w):
+        if mode == "reference":
+            xq, xs = kernels.act_quant(x.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
+            gemm = kernels.fp8_gemm if w.dtype == quant.FP8 else kernels.fp4_gemm
+            y = gemm(xq, xs, w, p["scale"], quant.E8M0, 32, impl=impl)
+        else:  # dequant (qat on already-quantized storage is the same thing)
+            y = F.linear(x, dequantize(p, x.dtype))
+    else:
+        if mode == "qat" and fake is not None and w.is_floating_point():
+            y = F.linear(fake_quant_act(x), fake_quant_weight(w, fake).to(x.dtype))
+        else:
+            y = F.linear(x, w.to(x.dtype))
+    if b is not None:
+        y = y + b.to(y.dtype)
+    return y
