@@ -44,3 +44,234 @@ def register_carrier(cls):
         lambda ctx, children: unflatten(children, ctx), namespace=OPTREE_NAMESPACE,
     )
     return cls
+
+
+# ----------------------------------------------------------------------------- path-keyed views
+from typing import Any, Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def flatten_with_paths(tree) -> dict[str, Any]:
+    """``{"layers.5.attn.wq_b.weight": tensor, ...}``: every leaf under its "."-joined path.
+
+    List indices appear as numbers, dataclass carriers by field name. The order is optree's (dict
+    keys sorted at each level, lists in index order, carriers in field order), so two trees with the
+    same structure flatten in the same order however they were built. ``None`` is an empty node, not
+    a leaf (it does not appear).
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace=OPTREE_NAMESPACE)
+    out = {}
+    for p, leaf in zip(paths, leaves):
+        key = _path_str(p)
+        if key in out:
+            raise ValueError(f"flatten_with_paths: two leaves share the path {key!r}")
+        out[key] = leaf
+    return out
+
+
+def unflatten_from_paths(flat: dict[str, Any]):
+    """Inverse of :func:`flatten_with_paths` for dict/list trees.
+
+    Paths are split on "."; a level becomes a Python list when its keys are exactly ``0..n-1``
+    (in any order), else a dict (in first-seen key order). ``{"layers.0.w": a, "layers.1.w": b}``
+    -> ``{"layers": [{"w": a}, {"w": b}]}``. A path that is both a leaf and a prefix is refused.
+    """
+    root: dict = {}
+    for key, leaf in flat.items():
+        parts = key.split(".")
+        node = root
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"unflatten_from_paths: {key!r} extends the leaf path of another entry")
+            node = nxt
+        if parts[-1] in node:
+            raise ValueError(f"unflatten_from_paths: {key!r} collides with another entry's subtree")
+        node[parts[-1]] = leaf
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: listify(v) for k, v in node.items()}
+        if node and all(k.isdigit() and (k == "0" or not k.startswith("0")) for k in node):
+            idx = sorted(int(k) for k in node)
+            if idx == list(range(len(idx))):
+                return [node[str(i)] for i in idx]
+        return node
+
+    return listify(root)
+
+
+def tree_map_with_path(fn: Callable[[str, Any], Any], tree, *rest):
+    """``fn(path, leaf, *rest_leaves)`` over every leaf; returns a tree of the same structure.
+
+    ``path`` is the "."-joined checkpoint name (see :func:`flatten_with_paths`).
+    """
+    return optree.tree_map_with_path(lambda p, x, *r: fn(_path_str(p), x, *r), tree, *rest,
+                                     namespace=OPTREE_NAMESPACE)
+
+
+# ----------------------------------------------------------------------------- tree_diff
+_QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+
+
+@dataclasses.dataclass
+class DiffRow:
+    """One path of a :class:`TreeDiff`. ``status``: ok | missing (in b) | extra (in b) | shape |
+    dtype | value (beyond ``atol``, or bytes differ where no value comparison exists) | type."""
+    path: str
+    status: str
+    shape_a: Optional[tuple] = None
+    shape_b: Optional[tuple] = None
+    dtype_a: Optional[str] = None
+    dtype_b: Optional[str] = None
+    max_abs: Optional[float] = None
+    cos_diff: Optional[float] = None
+    note: str = ""
+
+
+@dataclasses.dataclass
+class TreeDiff:
+    """Per-path comparison of two trees (from :func:`tree_diff`).
+
+    ``ok``: every path present in both with equal shape and dtype, and (with ``atol``) max-abs
+    error <= atol. ``rows``: one :class:`DiffRow` per path of a or b. ``str(diff)`` is a table;
+    ``worst(n)`` the n rows that differ most (structural problems first, then cosine diff, max-abs).
+    """
+    rows: list
+    atol: Optional[float] = None
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status == "ok" for r in self.rows)
+
+    def problems(self) -> list:
+        return [r for r in self.rows if r.status != "ok"]
+
+    def worst(self, n: int = 10) -> list:
+        rank = {"missing": 0, "extra": 0, "type": 0, "shape": 1, "dtype": 2, "value": 3, "ok": 4}
+        return sorted(self.rows, key=lambda r: (rank.get(r.status, 0), -(r.cos_diff or 0.0),
+                                                -(r.max_abs or 0.0)))[:n]
+
+    def format(self, rows=None) -> str:
+        rows = self.rows if rows is None else rows
+        def f(v):
+            return "-" if v is None else f"{v:.3e}"
+        def shp(a, b):
+            return str(list(a)) if a == b or b is None else f"{list(a) if a is not None else '-'} vs {list(b)}"
+        def dt(a, b):
+            return str(a) if a == b or b is None else f"{a} vs {b}"
+        table = [("path", "status", "shape", "dtype", "max_abs", "cos_diff", "note")]
+        table += [(r.path, r.status, shp(r.shape_a, r.shape_b), dt(r.dtype_a, r.dtype_b), f(r.max_abs),
+                   f(r.cos_diff), r.note) for r in rows]
+        w = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+        lines = ["  ".join(str(c).ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in table]
+        lines.insert(1, "  ".join("-" * x for x in w))
+        n_bad = sum(r.status != "ok" for r in rows)
+        lines.append(f"{len(rows)} paths, {n_bad} not ok" + (f" (atol={self.atol})" if self.atol is not None else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _as_float(x: torch.Tensor, scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Values of x in float64; quantized storage decoded via its sibling scale (SPEC §9), else None."""
+    from functional_dsv41 import quant
+    if x.dtype == torch.float4_e2m1fn_x2:
+        if scale is None or scale.shape != (*x.shape[:-1], x.shape[-1] * 2 // quant.BLOCK):
+            return None
+        return quant.dequant_fp4(x, scale, torch.float64)
+    if x.dtype == torch.float8_e4m3fn and scale is not None and scale.dtype == torch.float8_e8m0fnu:
+        if x.dim() == 2 and scale.shape == (-(-x.shape[0] // 32), -(-x.shape[1] // 32)):
+            return quant.dequant_fp8_block(x, scale, torch.float64)
+        if x.shape[-1] % 32 == 0 and scale.shape == (*x.shape[:-1], x.shape[-1] // 32):
+            return quant.dequant_fp8_rows(x, scale, torch.float64)
+        return None
+    if x.dtype in _QUANT_DTYPES:
+        return x.double() if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+    if x.dtype == torch.bool:
+        return x.double()
+    if x.is_complex():
+        return torch.view_as_real(x).double()
+    return x.double()
+
+
+def _scale_of(flat: dict, path: str):
+    if path.endswith(".weight"):
+        s = flat.get(path[: -len("weight")] + "scale")
+        return s if isinstance(s, torch.Tensor) else None
+    return None
+
+
+def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
+    """Compare tree ``b`` against tree ``a`` path by path (DESIGN "Tolerances").
+
+    For each path of a or b: ``missing`` (only in a), ``extra`` (only in b), ``shape``/``dtype``
+    mismatch, and for tensors whose values can be compared the max-abs error and the cosine diff
+    ``1 - 2<x,y>/(|x|^2+|y|^2)`` in float64. Quantized weights (fp8 e4m3 / packed fp4) are compared
+    by their dequantized value when a sibling ``scale`` is present in the same tree (32x32 fp8 blocks,
+    fp8 rows with 1x32 scales, fp4 1x32); e8m0 scales and other quantized tensors bytewise. A dtype
+    mismatch is still reported with the value error when both sides decode. Without ``atol`` values
+    are reported, not judged (``ok`` = same structure, shapes and dtypes); with ``atol`` a max-abs
+    error above it, or any differing byte of a bytewise-compared tensor, marks the row ``value``.
+    Non-tensor leaves are compared with ``==``.
+    """
+    fa, fb = flatten_with_paths(a), flatten_with_paths(b)
+    rows = []
+    for path in list(fa) + [p for p in fb if p not in fa]:
+        if path not in fb:
+            x = fa[path]
+            rows.append(DiffRow(path, "missing", shape_a=tuple(x.shape) if isinstance(x, torch.Tensor) else None,
+                                dtype_a=str(x.dtype).replace("torch.", "") if isinstance(x, torch.Tensor) else None))
+            continue
+        if path not in fa:
+            y = fb[path]
+            rows.append(DiffRow(path, "extra", shape_b=tuple(y.shape) if isinstance(y, torch.Tensor) else None,
+                                dtype_b=str(y.dtype).replace("torch.", "") if isinstance(y, torch.Tensor) else None))
+            continue
+        rows.append(_diff_leaf(path, fa[path], fb[path], _scale_of(fa, path), _scale_of(fb, path), atol))
+    return TreeDiff(rows, atol)
+
+
+def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return DiffRow(path, "type", note=f"{type(x).__name__} vs {type(y).__name__}")
+        return DiffRow(path, "ok" if x == y else "value", note="" if x == y else f"{x!r} vs {y!r}")
+    row = DiffRow(path, "ok", tuple(x.shape), tuple(y.shape), str(x.dtype).replace("torch.", ""),
+                  str(y.dtype).replace("torch.", ""))
+    if row.shape_a != row.shape_b:
+        row.status = "shape"
+        return row
+    if x.dtype != y.dtype:
+        row.status = "dtype"
+    if x.is_meta or y.is_meta:
+        row.note = "meta: structure only"
+        return row
+    xf, yf = _as_float(x.detach().cpu(), sx), _as_float(y.detach().cpu(), sy)
+    if xf is None or yf is None:
+        if x.dtype == y.dtype:
+            nbad = int((x.detach().cpu().contiguous().view(torch.uint8) !=
+                        y.detach().cpu().contiguous().view(torch.uint8)).sum())
+            row.note = "bytewise" + (f": {nbad} bytes differ" if nbad else "")
+            if nbad and atol is not None:
+                row.status = "value"
+        return row
+    if xf.shape != yf.shape:
+        row.status = "shape"
+        return row
+    d = (xf - yf).abs()
+    d = torch.where(torch.isnan(xf) & torch.isnan(yf), torch.zeros_like(d), d)
+    row.max_abs = float(d.max()) if d.numel() else 0.0
+    xv, yv = xf.flatten(), yf.flatten()
+    den = float((xv * xv).sum() + (yv * yv).sum())
+    row.cos_diff = 0.0 if den == 0 else float(1 - 2 * (xv * yv).sum() / den)
+    if row.status == "ok" and atol is not None and not row.max_abs <= atol:
+        row.status = "value"
+    return row

@@ -1,0 +1,79 @@
+"""Random parameters in the released storage formats, or float master weights for QAT (SPEC §9, §11).
+
+Values are drawn in float32 from one ``torch.Generator`` seeded by ``seed``, entry by entry in the
+fixed order of ``spec._entries`` (so a seed gives the same tree on every machine):
+
+- Linear weights / embeddings / heads: ``N(0, 1) / sqrt(in_features)`` (fan-in scaled);
+- norms and Engram ``q_weight``/``k_weight``: ones; ``attn_sink``, router biases, vision biases: zeros;
+- mHC ``hc_*_fn/base/scale``: ``0.02 * N(0, 1)`` (small, so the mixes start near uniform);
+- Engram tables: ``N(0, 1) / sqrt(head_dim)`` rows.
+
+The storage tree is then quantized where the release stores quantized values:
+``quant.quant_fp8_block`` (dense fp8, 32x32), ``quant.quant_fp4`` (routed experts, 1x32),
+``quant.quant_fp8_rows`` (Engram tables, 1x32). With ``master=True`` the same float draws are
+returned un-quantized (no ``scale`` entries): quantizing a master weight with the matching quantizer
+gives exactly the storage tree of the same seed, so QAT training starts from the released format.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from functional_dsv41 import quant
+from functional_dsv41.config import Config
+from functional_dsv41.pytree import unflatten_from_paths
+
+from .spec import Entry, _entries, master_dtype
+
+
+def _draw(e: Entry, gen: torch.Generator) -> torch.Tensor:
+    shape = e.logical
+    if e.init == "ones":
+        return torch.ones(shape)
+    if e.init == "zeros":
+        return torch.zeros(shape)
+    x = torch.randn(shape, generator=gen)
+    if e.init == "small":
+        return x.mul_(0.02)
+    return x.mul_(1.0 / math.sqrt(shape[-1]))  # "linear": fan-in = last (input) dim
+
+
+_QUANTIZERS = {"fp8": quant.quant_fp8_block, "fp4": quant.quant_fp4, "rows": quant.quant_fp8_rows}
+
+
+def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
+                dtype_master: Optional[torch.dtype] = None, device: str | torch.device = "cpu"):
+    """A parameter tree of ``cfg`` with random values (same structure as ``param_spec(cfg)``).
+
+    Default: storage dtypes of the release (fp8 e4m3 + e8m0 ``[ceil(out/32), ceil(in/32)]`` scales for
+    dense Linears when ``cfg.dtype == "fp8"``; packed fp4 ``[out, in/2]`` + e8m0 ``[out, in/32]`` for
+    routed experts when ``cfg.experts_dtype == "fp4"``; fp8 rows + e8m0 ``[rows, head_dim/32]`` for
+    Engram tables; bf16/fp32 elsewhere).
+
+    ``master=True`` (or any ``dtype_master``): FLOAT master weights for training with QAT
+    (``linear(..., mode="qat")``): every quantized weight becomes a ``dtype_master`` (default fp32)
+    tensor of its logical shape with no ``scale`` sibling; other tensors keep their storage dtype
+    unless ``dtype_master`` is given. ``param_spec(cfg, master=True)`` describes this tree.
+
+    Deterministic for a seed (CPU generator; tensors are moved to ``device`` at the end).
+    """
+    as_master = master or dtype_master is not None
+    gen = torch.Generator().manual_seed(int(seed))
+    flat = {}
+    for e in _entries(cfg):
+        if e.fmt == "scale":
+            continue  # produced together with its weight
+        x = _draw(e, gen)
+        if as_master:
+            flat[e.name] = x.to(master_dtype(e, dtype_master))
+        elif e.fmt in _QUANTIZERS:
+            q, s = _QUANTIZERS[e.fmt](x)
+            flat[e.name] = q
+            flat[e.name[: -len("weight")] + "scale"] = s
+        else:
+            flat[e.name] = x.to(e.dtype)
+    if torch.device(device).type != "cpu":
+        flat = {k: v.to(device) for k, v in flat.items()}
+    return unflatten_from_paths(flat)
