@@ -1,0 +1,84 @@
+"""Orbax train-state checkpoints: lossless dtypes, keep-last-N, and an interrupted save."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from functional_dsv41.quant import E8M0, FP4X2, FP8
+from functional_dsv41.train.checkpoint import TrainCheckpointer
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        "embed.weight": torch.randn(5, 4, generator=g).to(torch.bfloat16),
+        "layers.0.attn.wq_a.weight": torch.randn(32, 32, generator=g).to(FP8),
+        "layers.0.attn.wq_a.scale": torch.randint(100, 140, (1, 1), dtype=torch.uint8, generator=g).view(E8M0),
+        "layers.0.ffn.experts.0.w1.weight": torch.randint(0, 255, (4, 16), dtype=torch.uint8, generator=g).view(FP4X2),
+        "head.weight": torch.randn(5, 4, generator=g),
+        "engram_token_map": torch.arange(7, dtype=torch.int64) * (1 << 40),
+    }
+    fl = {k: v for k, v in params.items() if k in ("embed.weight", "head.weight")}
+    opt = {"count": seed, "mu": {k: torch.randn(v.shape, generator=g) for k, v in fl.items()},
+           "nu": {k: torch.rand(v.shape, generator=g) for k, v in fl.items()}}
+    return params, opt
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_roundtrip_exact_dtypes_and_keep_last(tmp_path):
+    ck = TrainCheckpointer(str(tmp_path), max_to_keep=2)
+    for step in (1, 2, 3):
+        p, o = _state(step)
+        ck.save(step, params=p, opt_state=o, data_state={"epoch": step, "offset": 10 * step},
+                rng_state=torch.get_rng_state(), extra={"note": "x"})
+    ck.wait()
+    assert ck.all_steps() == [2, 3]
+    r = ck.restore()
+    p, o = _state(3)
+    assert r["step"] == 3 and r["data_state"] == {"epoch": 3, "offset": 30} and r["extra"] == {"note": "x"}
+    assert set(r["params"]) == set(p)
+    for k in p:
+        assert _same(r["params"][k].contiguous(), p[k]), k
+    assert r["opt_state"]["count"] == 3
+    for k in o["mu"]:
+        assert torch.equal(r["opt_state"]["mu"][k], o["mu"][k]) and torch.equal(r["opt_state"]["nu"][k], o["nu"][k])
+    assert torch.equal(r["rng_state"], torch.get_rng_state())
+    ck.close()
+
+
+def test_interrupted_save_keeps_last_good(tmp_path):
+    """A process killed inside orbax's finalize (all files written, not yet renamed) leaves step 1 the latest."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from test_train_checkpoint import _state
+        from functional_dsv41.train.checkpoint import TrainCheckpointer
+        from orbax.checkpoint._src.path import atomicity
+        ck = TrainCheckpointer({str(tmp_path)!r}, max_to_keep=3)
+        p, o = _state(1)
+        ck.save(1, params=p, opt_state=o, data_state={{"epoch": 0, "offset": 1}})
+        ck.wait()
+        async def die(self, *a, **k):
+            os._exit(7)            # killed between writing the files and the atomic rename
+        atomicity.AtomicRenameTemporaryPath.finalize = die
+        atomicity.CommitFileTemporaryPath.finalize = die
+        p, o = _state(2)
+        ck.save(2, params=p, opt_state=o, data_state={{"epoch": 0, "offset": 2}})
+        ck.wait()
+        print("not reached")
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 7, res.stdout + res.stderr
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith("2")]
+    assert leftovers and all("tmp" in n for n in leftovers), os.listdir(tmp_path)  # step 2 was mid-save
+    ck = TrainCheckpointer(str(tmp_path), max_to_keep=3)
+    assert ck.latest_step() == 1
+    r = ck.restore()
+    p, _ = _state(1)
+    assert r["step"] == 1 and all(_same(r["params"][k].contiguous(), p[k]) for k in p)
+    ck.close()

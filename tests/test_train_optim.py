@@ -1,0 +1,87 @@
+"""Functional AdamW vs torch.optim.AdamW, clipping vs clip_grad_norm_, and schedule values."""
+import math
+
+import pytest
+import torch
+
+from functional_dsv41.train import optim
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"layers.0.attn.wq_a.weight": torch.randn(8, 6, generator=g),
+            "layers.0.attn_norm.weight": torch.randn(6, generator=g),
+            "layers.0.hc_attn_base": torch.randn(3, 4, generator=g)}
+
+
+def test_adamw_matches_torch_bitwise():
+    cfg = optim.AdamWConfig(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    params = _tensors()
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    decay = [ref[k] for k in ref if optim.decays(k, ref[k])]
+    no_decay = [ref[k] for k in ref if not optim.decays(k, ref[k])]
+    assert len(decay) == 1 and len(no_decay) == 2  # the norm weight and the hc base are not decayed
+    topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    state = optim.adamw_init(params)
+    for i in range(5):
+        lr = 1e-2 * (i + 1) / 5
+        grads = {k: torch.randn_like(v, generator=torch.Generator().manual_seed(100 + i)) for k, v in params.items()}
+        for group in topt.param_groups:
+            group["lr"] = lr
+        for k in ref:
+            ref[k].grad = grads[k].clone()
+        topt.step()
+        params, state = optim.adamw_update(grads, state, params, lr=lr, cfg=cfg)
+    for k in params:
+        assert torch.equal(params[k], ref[k].detach()), k
+        assert torch.equal(state["mu"][k], topt.state[ref[k]]["exp_avg"]), k
+    assert state["count"] == 5
+
+
+def test_adamw_does_not_modify_inputs():
+    params = _tensors()
+    before = {k: v.clone() for k, v in params.items()}
+    state = optim.adamw_init(params)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    new, st = optim.adamw_update(grads, state, params, lr=0.1)
+    assert all(torch.equal(params[k], before[k]) for k in params)
+    assert all(not torch.equal(new[k], before[k]) for k in params)
+    assert all(float(v.abs().sum()) == 0 for v in state["mu"].values())
+
+
+def test_no_decay_rules():
+    w = torch.zeros(4, 4)
+    assert optim.decays("layers.3.ffn.experts.0.w1.weight", w)
+    assert optim.decays("embed.weight", w)
+    for p in ("layers.0.attn.q_norm.weight", "layers.0.hc_ffn_base", "layers.0.hc_attn_scale",
+              "layers.0.attn.attn_sink", "vision.x.bias", "layers.2.attn.compressor.norm.weight"):
+        assert not optim.decays(p, w), p
+    assert not optim.decays("layers.0.ffn.gate.weight_1d", torch.zeros(4))
+
+
+def test_clip_matches_torch():
+    grads = {"a": torch.randn(5, 5) * 10, "b": torch.randn(7) * 10}
+    clipped, norm = optim.clip_by_global_norm(grads, 1.0)
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for r, g in zip(ref, grads.values()):
+        r.grad = g.clone()
+    tnorm = torch.nn.utils.clip_grad_norm_(ref, 1.0, foreach=False)
+    assert torch.allclose(norm, tnorm, rtol=1e-6)
+    for r, g in zip(ref, clipped.values()):
+        assert torch.allclose(r.grad, g, rtol=1e-6, atol=1e-7)
+    assert abs(float(optim.global_norm(clipped)) - 1.0) < 1e-4
+    small = {"a": torch.full((3,), 0.01)}
+    same, _ = optim.clip_by_global_norm(small, 1.0)
+    assert torch.equal(same["a"], small["a"])
+
+
+def test_schedule_values():
+    f = lambda s: optim.lr_at(s, peak=1e-3, warmup=10, total=110, min_ratio=0.1)
+    assert f(0) == pytest.approx(1e-4)
+    assert f(9) == pytest.approx(1e-3)
+    assert f(10) == pytest.approx(1e-3)
+    assert f(60) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 50 / 99)))
+    assert f(109) == pytest.approx(1e-4)
+    assert f(500) == pytest.approx(1e-4)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))

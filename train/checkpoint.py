@@ -1,0 +1,134 @@
+"""Train-state checkpoints with orbax-checkpoint: params, optimizer state, step, data position, RNG.
+
+Layout of one checkpoint ``DIR/<step>/``: an orbax ``state`` item (a tree of numpy arrays:
+``params/<path>``, ``opt/mu/<path>``, ``opt/nu/<path>``, ``rng/torch``) and a JSON ``meta`` item (step,
+optimizer count, data position, the torch dtype of every array, anything else the caller adds).
+
+Lossless torch <-> numpy: orbax stores numpy arrays, and numpy has no bfloat16 / float8 / float4, so
+those tensors are stored as their raw bits (bf16 -> uint16, fp8 e4m3 / e8m0 / packed fp4 -> uint8,
+``Tensor.view``) and the torch dtype is recorded in ``meta["dtypes"]``; restore views the bits back.
+Every other dtype (fp32, int64, bool ...) round-trips through ``Tensor.numpy()`` unchanged. Restore
+reads into a numpy template of the recorded shapes/dtypes, so no int64 is narrowed on the way.
+
+Saving is asynchronous (``CheckpointManager`` with ``enable_async_checkpointing``): ``save`` copies the
+tensors to numpy on the caller's thread (the arrays it hands over never change afterwards), orbax
+writes them in the background. Orbax writes into a temporary folder and renames it to ``<step>`` only
+after every file is written (its atomic finalize), so a save interrupted midway leaves a
+``<step>.orbax-checkpoint-tmp-*`` folder that ``latest_step``/``restore`` ignore: it never replaces
+the last good checkpoint (tests/test_train_checkpoint.py kills a process inside the finalize).
+``max_to_keep`` keeps the newest N.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+# torch dtypes numpy lacks -> the unsigned int type of the same width holding their bits
+_BITS = {torch.bfloat16: torch.uint16, torch.float16: None, torch.float8_e4m3fn: torch.uint8,
+         torch.float8_e5m2: torch.uint8, torch.float8_e8m0fnu: torch.uint8}
+if hasattr(torch, "float4_e2m1fn_x2"):
+    _BITS[torch.float4_e2m1fn_x2] = torch.uint8
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy copy of ``t`` holding its exact bits (see module docstring for non-numpy dtypes)."""
+    t = t.detach().cpu().contiguous()
+    bits = _BITS.get(t.dtype)
+    if bits is not None:
+        t = t.view(bits)
+    return t.numpy().copy()
+
+
+def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
+    """Inverse of ``to_numpy`` given the recorded torch dtype name."""
+    dt = getattr(torch, dtype)
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if _BITS.get(dt) is not None:
+        return t.view(dt)
+    if t.dtype != dt:
+        raise TypeError(f"checkpoint array stored as {t.dtype}, recorded as {dt}")
+    return t
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        else:
+            out[key] = v
+    return out
+
+
+class TrainCheckpointer:
+    """Save/restore train states under ``directory`` (one sub-folder per step), keeping the last N."""
+
+    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+        import orbax.checkpoint as ocp
+        self._ocp = ocp
+        self.directory = os.path.abspath(directory)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                            create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=opts)
+
+    # ---------------------------------------------------------------- save
+    def save(self, step: int, *, params: dict[str, torch.Tensor], opt_state: dict,
+             data_state: dict, rng_state: Optional[torch.Tensor] = None, extra: Optional[dict] = None) -> None:
+        """Start saving the train state of ``step`` (returns once the arrays are copied to numpy)."""
+        ocp = self._ocp
+        tensors = {"params": params, "opt": {"mu": opt_state["mu"], "nu": opt_state["nu"]}}
+        if rng_state is not None:
+            tensors["rng"] = {"torch": rng_state}
+        flat = _flatten(tensors)
+        meta = {"step": int(step), "opt_count": int(opt_state["count"]), "data": dict(data_state),
+                "dtypes": {k: _dtype_name(v.dtype) for k, v in flat.items()},
+                "shapes": {k: list(v.shape) for k, v in flat.items()}, "extra": extra or {}}
+        arrays = {k: to_numpy(v) for k, v in flat.items()}
+        self.manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+                                                             meta=ocp.args.JsonSave(meta)))
+
+    def wait(self) -> None:
+        """Block until every pending asynchronous save is on disk (finalized)."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ---------------------------------------------------------------- restore
+    def latest_step(self) -> Optional[int]:
+        """Newest finalized step, or None (unfinished temporary folders are ignored)."""
+        self.manager.reload()
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def restore(self, step: Optional[int] = None) -> dict:
+        """Restore a train state. Returns {"step", "params", "opt_state", "data_state", "rng_state", "extra"}
+        with params/moments as flat ``{path: tensor}`` dicts in their saved dtypes."""
+        ocp = self._ocp
+        step = self.latest_step() if step is None else int(step)
+        if step is None:
+            raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        template = {k: np.zeros(meta["shapes"][k], dtype=to_numpy(torch.zeros((), dtype=getattr(torch, d))).dtype)
+                    for k, d in meta["dtypes"].items()}
+        arrays = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))).state
+        t = {k: from_numpy(np.asarray(arrays[k]), d) for k, d in meta["dtypes"].items()}
+
+        def sub(prefix):
+            return {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+
+        return {"step": meta["step"], "params": sub("params/"),
+                "opt_state": {"count": meta["opt_count"], "mu": sub("opt/mu/"), "nu": sub("opt/nu/")},
+                "data_state": meta["data"], "rng_state": t.get("rng/torch"), "extra": meta.get("extra", {})}
