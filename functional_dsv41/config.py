@@ -211,6 +211,20 @@ class Config:
                      "candidate_topk_blocks", "candidate_block_size", "max_batch_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        # sizes of optional parts: a 0 there would build empty weights and compute nothing, silently
+        groups = (((bool(self.engram_layer_ids)), ("engram_n_heads", "engram_head_dim", "engram_vocab_size")),
+                  (self.n_mtp_layers > 0, ("dspark_n_routed_experts", "dspark_n_activated_experts",
+                                           "dspark_markov_rank")),
+                  (self.vision_n_layers > 0, ("vision_dim", "vision_n_heads", "vision_inter_dim",
+                                              "vision_patch_size", "vision_downsample_ratio")))
+        for enabled, names in groups:
+            for name in names:
+                if enabled and getattr(self, name) < 1:
+                    bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.n_mtp_layers and not self.dspark_target_layer_ids:
+            bad("dspark_target_layer_ids", "is empty, but DSpark stages need main-model hidden states")
+        if any(n < 1 for n in self.engram_num_embeddings):
+            bad("engram_num_embeddings", f"every table needs >= 1 row, got {list(self.engram_num_embeddings)}")
         for name in ("n_mtp_layers", "n_shared_experts", "vision_n_layers"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
