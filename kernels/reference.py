@@ -20,20 +20,37 @@ def _scales_to_float(s: torch.Tensor) -> torch.Tensor:
     return quant.e8m0_to_float(s) if s.dtype == quant.E8M0 else s.float()
 
 
+def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, block: int,
+                       out_dtype) -> torch.Tensor:
+    """sum over K blocks, in K order, of (A_kb @ B_kb^T) * a_s[:, kb] * b_s[:, kb], fp32 (the kernels' order).
+
+    a [..., K] fp32 values, a_s [..., K/block] fp32, b [N, K] fp32 values, b_s [N, K/block] fp32.
+    Each block product is exact in fp32 (fp8 x fp8 / fp4 x fp8 products), so only the sum order inside a
+    block can differ from a tensor core.
+    """
+    K = a.shape[-1]
+    lead = a.shape[:-1]
+    a2, as2 = a.reshape(-1, K), a_s.reshape(-1, a_s.shape[-1])
+    acc = torch.zeros(a2.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for kb in range(K // block):
+        sl = slice(kb * block, (kb + 1) * block)
+        acc = acc + (a2[:, sl] @ b[:, sl].T) * as2[:, kb:kb + 1] * b_s[:, kb]
+    return acc.to(out_dtype).reshape(*lead, b.shape[0])
+
+
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
     """C = A @ B^T with block scales (SPEC §10.3).
 
     a e4m3 [..., K] with a_s [..., K/bs]; b e4m3 [N, K] with b_s [ceil(N/bs), K/bs].
-    Accumulates in fp32 (the kernel sums each K block then scales it; equal up to summation order).
+    fp32 accumulation of the scaled K-block partial products, in K order.
     """
     K = a.shape[-1]
-    if b.shape[-1] != K:
-        raise ValueError(f"fp8_gemm: a has K={K}, b has K={b.shape[-1]}")
-    a_f = (a.float().unflatten(-1, (-1, block_size)) * _scales_to_float(a_s)[..., None]).flatten(-2)
+    if b.shape[-1] != K or K % block_size:
+        raise ValueError(f"fp8_gemm: a has K={K}, b has K={b.shape[-1]} (block {block_size})")
     N = b.shape[0]
-    bs = _scales_to_float(b_s).repeat_interleave(block_size, 0)[:N].repeat_interleave(block_size, 1)[:, :K]
-    return (a_f @ (b.float() * bs).T).to(out_dtype)
+    bs = _scales_to_float(b_s).repeat_interleave(block_size, 0)[:N]
+    return _block_scaled_gemm(a.float(), _scales_to_float(a_s), b.float(), bs, block_size, out_dtype)
 
 
 def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
@@ -41,11 +58,11 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     """C = A @ fp4(B)^T (SPEC §10.4): a e4m3 [..., K] with per-act_block_size scales; b packed e2m1
     [N, K/2] with e8m0 [N, K/32]."""
     K = a.shape[-1]
-    a_f = (a.float().unflatten(-1, (-1, act_block_size)) * _scales_to_float(a_s)[..., None]).flatten(-2)
-    w = quant.dequant_fp4(b, b_s, torch.float32)
+    w = quant.fp4_decode(quant.unpack_fp4(b))
     if w.shape[-1] != K:
         raise ValueError(f"fp4_gemm: a has K={K}, b has K={w.shape[-1]}")
-    return (a_f @ w.T).to(out_dtype)
+    a_s32 = _scales_to_float(a_s).repeat_interleave(act_block_size // 32, -1)
+    return _block_scaled_gemm(a.float(), a_s32, w, _scales_to_float(b_s), 32, out_dtype)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
@@ -91,7 +108,9 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     pre = torch.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc])
     c = (mixes[..., 2 * hc:] * hc_scale[2] + hc_base[2 * hc:]).unflatten(-1, (hc, hc))
-    c = torch.softmax(c, dim=-1) + eps
+    # softmax spelled out as the kernel computes it (max-shifted exp, then one division), + eps
+    c = torch.exp(c - c.amax(dim=-1, keepdim=True))
+    c = c / c.sum(dim=-1, keepdim=True) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(sinkhorn_iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)

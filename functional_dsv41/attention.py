@@ -1,0 +1,163 @@
+"""Attention sublayer (SPEC §3): single-latent MQA over a sliding window plus selected compressed KV.
+
+    qr = RMSNorm_q(W_qa x)                                  [b, s, q_lora_rank]
+    q  = RoPE(W_qb qr).view(H, D)                           [b, s, H, D]   (RoPE on the last rd dims)
+    kv = fp8_QDQ(RoPE(RMSNorm_kv(W_kv x)))                  [b, s, D]      one vector per token: K = V
+    KV = [window rows ; compressed rows]
+    o  = sparse_attn(q, KV, sink, [window slots ; top-k compressed + offset])   per-head sink logit
+    out = W_ob( concat_g  W_oa[g] . RoPE^-1(o)_g )           grouped low-rank output, 8 groups
+
+Compressed rows (layers with ratio > 0) come from the layer's kv source (SPEC §0.1): a Full layer runs
+the compressor (§4) and the indexer (§5) itself and publishes KV, index keys and top-k in the
+``SharedAttention`` value; a Reindex layer scores those keys with its own indexer inside the
+candidate blocks; a Reuse layer takes KV and top-k as published.
+
+Window rows: with no past (``chunk.start == 0``) the chunk's own kv; otherwise the ring's W rows in
+position order (oldest first) followed by the chunk's kv. A query at position p sees positions
+``max(sample start, p - W + 1) .. p``; its window slots list them ascending, -1 padding after.
+
+Shape legend: b batch, s queries, H heads, D head_dim, W window, n compressed entries, k top-k.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernels, quant
+from .compressor import BIG, Chunk, compress
+from .config import Config
+from .indexer import candidate_mask, fp4_qdq, index_keys, index_scores, select_topk
+from .linear import dequantize, linear, ste
+from .norm import rms_norm
+from .rope import apply_rope, rope_angles
+from .state import AttnCache, SharedAttention
+
+
+def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
+    """1x32 fp8 QDQ with ue8m0 scales (``act_quant(..., inplace=True)``), straight-through gradient."""
+    with torch.no_grad():
+        y = quant.act_quant_dequant(x.detach())
+    return ste(x, y)
+
+
+def window_index(chunk: Chunk, W: int, b: int, has_past: bool) -> torch.Tensor:
+    """[b, s, W] rows of the window block that each query reads (-1 = none), valid slots first."""
+    dev = chunk.pos_abs.device
+    p = chunk.pos_abs[:, None]                                              # [s, 1]
+    t = p - W + 1 + torch.arange(W, device=dev)                             # [s, W] key positions, ascending
+    lo = chunk.seg_start[:, :, None].clamp_min(0)                           # [b, s, 1]
+    valid = t[None] >= lo
+    base = chunk.start - W if has_past else chunk.start
+    rows = torch.where(valid, t[None] - base, BIG)
+    rows = rows.sort(-1).values                                             # valid (ascending) first
+    return torch.where(rows == BIG, -1, rows)
+
+
+def roll_ring(ring: torch.Tensor | None, rows: torch.Tensor, chunk: Chunk, W: int, has_past: bool) -> torch.Tensor:
+    """The ring after this chunk: slot j holds the newest position t <= end with t % W == j."""
+    end = chunk.start + chunk.s - 1
+    j = torch.arange(W, device=rows.device)
+    t = end - ((end - j) % W)
+    base = chunk.start - W if has_past else chunk.start
+    src = (t - base).clamp(0, rows.shape[1] - 1)
+    new = rows[:, src]
+    if ring is None:
+        ring = torch.zeros_like(new)
+    return torch.where((t >= 0)[None, :, None], new, ring)
+
+
+def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache: AttnCache | None,
+              shared: SharedAttention, mode: str = "reference", impl: str | None = None, debug: dict | None = None):
+    """x [b, s, dim] bf16 (normed) -> (out [b, s, dim], new cache or None, shared, topk info).
+
+    p = params["layers"][L]["attn"]; ``cache`` is the layer's AttnCache (None: no state, e.g. training).
+    """
+    L = layer_id
+    b, s, _ = x.shape
+    H, D, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    eps = cfg.norm_eps
+    rot = rope_angles(cfg, L, chunk.pos)                                    # [b, s, rd/2]
+
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode), p["q_norm"]["weight"], eps)
+    q = linear(qr, p["wq_b"], mode=mode).view(b, s, H, D)
+    q = apply_rope(q, rot[:, :, None, :])
+    kv = rms_norm(linear(x, p["wkv"], mode=mode), p["kv_norm"]["weight"], eps)
+    kv = fp8_qdq(apply_rope(kv, rot))
+
+    has_past = cache is not None and chunk.start > 0
+    if has_past:
+        order = (chunk.start - W + torch.arange(W, device=x.device)) % W
+        win_rows = torch.cat([cache.window_kv[:, order], kv], 1)
+    else:
+        win_rows = kv
+    widx = window_index(chunk, W, b, has_past)
+    n_win = win_rows.shape[1]
+    new_cache = None
+    if cache is not None:
+        new_cache = AttnCache(roll_ring(cache.window_kv, win_rows, chunk, W, has_past))
+
+    kv_all, idx = win_rows, widx
+    topk = None
+    src = cfg.kv_source(L)
+    if src is not None:
+        if L == src:
+            shared, new_cache = _compress_and_publish(p, x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache,
+                                                      new_cache=new_cache, shared=shared, mode=mode)
+        comp_kv, keys, visible = shared.kv[src], shared.index_k[src], shared.visible[src]
+        if L in cfg.index_source_layers:
+            score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode)
+            if L == cfg.candidate_source_layer:
+                shared = shared.replace(candidates=candidate_mask(score, visible, cfg=cfg))
+                if debug is not None:
+                    debug["candidates"] = shared.candidates
+            if cfg.uses_candidates(L):
+                score = score.masked_fill(~shared.candidates, float("-inf"))
+            topk = select_topk(score, cfg.index_topk)
+            shared = shared.replace(topk={**shared.topk, L: topk})
+            if debug is not None:
+                debug["index_score"] = score
+        else:
+            topk = shared.topk[cfg.index_source(L)]
+        kv_all = torch.cat([win_rows, comp_kv], 1)
+        idx = torch.cat([widx, torch.where(topk >= 0, topk + n_win, -1)], -1)
+        if debug is not None and L in cfg.index_source_layers:
+            debug["topk_idxs"] = torch.where(topk >= 0, topk + n_win, -1)
+
+    o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
+    if debug is not None:
+        debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
+    o = apply_rope(o, rot[:, :, None, :], inverse=True)
+    G = cfg.o_groups
+    wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
+    u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, G, -1), wo_a)
+    out = linear(u.flatten(2), p["wo_b"], mode=mode)
+    return out, new_cache, shared, topk
+
+
+def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, shared, mode):
+    """Full layer: compress new groups, index keys, RoPE + fp4 QDQ, append to history, publish."""
+    L = layer_id
+    r = cfg.compress_ratio(L)
+    ent, (part_kv, part_s) = compress(p["compressor"], x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache, mode=mode)
+    keys_new = index_keys(p["indexer"], ent.latent, ent.rope_pos, cfg=cfg, layer_id=L)
+    kv_new = apply_rope(ent.latent, rope_angles(cfg, L, ent.rope_pos))
+    kv_new = fp4_qdq(kv_new, 16, quant.FP8)
+    end, seg = ent.end, ent.seg
+    if cache is not None:
+        n_prev = chunk.start // r
+        n_new = kv_new.shape[1]
+        if n_prev + n_new > cache.compress_kv.shape[1]:
+            raise ValueError(f"layer {L}: compressed history full ({cache.compress_kv.shape[1]} rows)")
+        # append-only history: write the new rows past the old count (see state.py ownership rule)
+        with torch.no_grad():
+            cache.compress_kv[:, n_prev:n_prev + n_new] = kv_new
+            cache.index_k[:, n_prev:n_prev + n_new] = keys_new
+        hist = torch.arange(n_prev, device=x.device)
+        kv_new = torch.cat([cache.compress_kv[:, :n_prev], kv_new], 1)
+        keys_new = torch.cat([cache.index_k[:, :n_prev], keys_new], 1)
+        end = torch.cat([(hist * r + r - 1).expand(x.shape[0], n_prev), end], 1)
+        seg = torch.cat([torch.zeros_like(end[:, :n_prev]), seg], 1)
+        new_cache = AttnCache(new_cache.window_kv, cache.compress_kv, cache.index_k, part_kv, part_s)
+    visible = (end[:, None, :] <= chunk.pos_abs[None, :, None]) & (seg[:, None, :] == chunk.seg_start[:, :, None])
+    shared = shared.replace(kv={**shared.kv, L: kv_new}, index_k={**shared.index_k, L: keys_new},
+                            visible={**shared.visible, L: visible})
+    return shared, new_cache

@@ -1,0 +1,44 @@
+"""Manifold-constrained hyper-connections (mHC), SPEC §2.
+
+The residual stream is ``hc_mult`` (4) parallel copies ``h [b, s, hc, dim]``. Each sublayer computes
+24 mixes from the whole flattened state with ONE RMS statistic, splits them (``hc_split_sinkhorn``)
+into ``pre [hc]`` (collapse weights), ``post [hc]`` (how much of the sublayer output each stream
+takes) and ``comb [hc, hc]`` (a near doubly-stochastic stream mixing, Sinkhorn-Knopp). All fp32.
+
+The one-sublayer delay of ``pre`` lives in the block (model.py): a sublayer's input is collapsed with
+the ``pre`` the PREVIOUS sublayer computed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .config import Config
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, cfg: Config,
+             impl: str | None = None):
+    """h [b, s, hc, dim] -> (pre [b, s, hc], post [b, s, hc], comb [b, s, hc, hc]), all fp32.
+
+    ``m = (fn @ flatten(h)) * rsqrt(mean(flatten(h)^2) + eps)`` with fn [24, hc*dim] fp32.
+    """
+    v = h.flatten(-2).float()
+    r = torch.rsqrt(v.square().mean(-1, keepdim=True) + cfg.norm_eps)
+    m = F.linear(v, fn.float()) * r
+    return kernels.hc_split_sinkhorn(m, scale.float(), base.float(), cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                     cfg.hc_eps, impl=impl)
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the streams: sum_j pre_j * h_j in fp32 -> [b, s, dim] in h's dtype."""
+    return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+
+
+def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand: out_k = post_k * y + sum_j comb[j, k] * res_j (fp32) -> [b, s, hc, dim] in y's dtype.
+
+    y [b, s, dim] sublayer output, res [b, s, hc, dim] the sublayer's input streams.
+    """
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + (comb.unsqueeze(-1) * res.float().unsqueeze(-2)).sum(-3)
+    return out.to(y.dtype)

@@ -1,0 +1,205 @@
+"""``forward(params, batch)``: the text model from ``input_ids`` to logits (SPEC §1, §2).
+
+    ids [b, s] --embed--> h [b, s, dim] --repeat--> h [b, s, hc, dim]   (hc identical streams)
+    pre = one-hot(stream 0)
+    for L in 0..n_layers-1:
+        L in engram layers:   h = engram_write(h, n-gram rows)                       (§6)
+        L in DSpark targets:  main_hidden += mean over streams of h  (block INPUT)  (§7)
+        h, pre = block(h, pre)                                                       (§2: mHC + attention + MoE)
+    logits = head_fp32(RMSNorm(sum_k pre_k h_k))                                     [b, s, vocab] fp32
+
+Prefill and decode are one function: the chunk ``[b, s]`` starts at ``state.pos`` (0 without a
+state); decode is ``s == 1``. Packed training rows pass ``batch["positions"]`` (positions restarting
+at 0 at every sample) and no state: every sample is then isolated (window, compression groups,
+indexer, n-grams).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import engram as engram_mod
+from .attention import attention
+from .compressor import Chunk
+from .config import Config
+from .hyper import hc_mixes, hc_post, hc_pre
+from .moe import moe
+from .norm import rms_norm
+from .pytree import register_carrier
+from .state import DecodeState, SharedAttention, config_id
+
+
+@register_carrier
+@dataclass(frozen=True)
+class ForwardOutput:
+    """logits [b, s, V] fp32; state (DecodeState or None); main_hidden [b, s, n_targets*dim] bf16.
+
+    With return_hidden: hidden[L] [b, s, hc, dim], pre_mix[L] [b, s, hc], topk[L] [b, s, k] (index
+    sources; compressed-entry indices, -1 = none), candidates [b, s, n] bool, engram_ids
+    [b, s, n_engram_layers, (max_ngram-1)*heads].
+    """
+    logits: torch.Tensor
+    state: Optional[DecodeState] = None
+    main_hidden: Optional[torch.Tensor] = None
+    hidden: Optional[dict] = None
+    pre_mix: Optional[dict] = None
+    topk: Optional[dict] = None
+    candidates: Optional[torch.Tensor] = None
+    engram_ids: Optional[torch.Tensor] = None
+
+
+def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache,
+          shared: SharedAttention, image_mask=None, mode="reference", impl=None, dispatch="sorted",
+          debug: dict | None = None):
+    """One block with hyper-connections (SPEC §2). h [b, s, hc, dim] bf16, pre_in [b, s, hc] fp32
+    (the previous block's ffn ``pre``) -> (h, ffn pre, cache, shared)."""
+    eps = cfg.norm_eps
+    d = {} if debug is not None else None
+    res = h
+    a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
+    x = rms_norm(hc_pre(h, pre_in), p["attn_norm"]["weight"], eps)
+    x, cache, shared, _ = attention(p["attn"], x, cfg=cfg, layer_id=layer_id, chunk=chunk, cache=cache,
+                                    shared=shared, mode=mode, impl=impl, debug=d)
+    h = hc_post(x, res, a_post, a_comb)
+    res = h
+    f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
+    y = rms_norm(hc_pre(h, a_pre), p["ffn_norm"]["weight"], eps)
+    y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=layer_id, image_mask=image_mask, mode=mode,
+                      dispatch=dispatch, return_routing=True)
+    h = hc_post(y, res, f_post, f_comb)
+    if debug is not None:
+        d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
+        debug.update({f"layer.{layer_id}.{k}": v for k, v in d.items()})
+    return h, f_pre, cache, shared
+
+
+def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise ValueError("forward: batch must be a dict with 'input_ids' (int64 [b, s])")
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"forward: input_ids must be a tensor, got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"forward: input_ids must be an integer tensor, got {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"forward: input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
+    b, s = ids.shape
+    if b == 0 or s == 0:
+        raise ValueError(f"forward: empty input_ids of shape {tuple(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"forward: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+    limit = state.max_seq_len if state is not None else cfg.max_seq_len
+    start = state.pos if state is not None else 0
+    if start + s > limit:
+        raise ValueError(f"forward: chunk of {s} tokens at position {start} runs past max_seq_len {limit}")
+    if state is not None:
+        if state.config_id != config_id(cfg):
+            raise ValueError("forward: the state was built for another config")
+        if state.batch_size != b:
+            raise ValueError(f"forward: the state holds {state.batch_size} rows, the batch has {b}")
+        if "positions" in batch:
+            raise ValueError("forward: packed 'positions' are for stateless (training) calls only")
+    emb = params.get("embed", {}).get("weight") if isinstance(params, dict) else None
+    if emb is None or tuple(emb.shape) != (cfg.vocab_size, cfg.dim):
+        got = None if emb is None else tuple(emb.shape)
+        raise ValueError(f"forward: params do not match the config: embed.weight is {got}, "
+                         f"expected {(cfg.vocab_size, cfg.dim)}")
+    if len(params.get("layers", ())) != cfg.n_layers:
+        raise ValueError(f"forward: params have {len(params.get('layers', ()))} layers, config has {cfg.n_layers}")
+    for L in cfg.layer_ids:
+        hc = params["layers"][L].get("hc_attn_fn")
+        if hc is None or tuple(hc.shape) != (cfg.n_hc_mix, cfg.hc_dim):
+            raise ValueError(f"forward: params do not match the config at layers.{L}.hc_attn_fn: "
+                             f"{None if hc is None else tuple(hc.shape)}, expected {(cfg.n_hc_mix, cfg.hc_dim)}")
+    if "images" in batch:
+        raise NotImplementedError("forward: image inputs (the vision tower) are not implemented yet")
+
+
+def make_chunk(batch: dict, start: int, device) -> Chunk:
+    ids = batch["input_ids"]
+    b, s = ids.shape
+    pos_abs = torch.arange(start, start + s, device=device)
+    pos = batch.get("positions")
+    if pos is None:
+        return Chunk(start, pos_abs, pos_abs.expand(b, s), torch.zeros(b, s, dtype=torch.long, device=device))
+    pos = pos.to(device=device, dtype=torch.long)
+    if pos.shape != ids.shape:
+        raise ValueError(f"forward: positions {tuple(pos.shape)} must match input_ids {tuple(ids.shape)}")
+    seg_start = pos_abs - pos
+    if bool((seg_start < 0).any()) or bool((pos[:, 1:] != pos[:, :-1] + 1)[pos[:, 1:] != 0].any()):
+        raise ValueError("forward: positions must count 0, 1, 2, ... within each packed sample")
+    return Chunk(start, pos_abs, pos, seg_start, packed=True)
+
+
+def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeState] = None,
+            return_hidden: bool = False, mode: str = "reference", impl: str | None = None,
+            dispatch: str = "sorted", debug: dict | None = None) -> ForwardOutput:
+    """Run the backbone on a chunk. See the module docstring; DESIGN.md "Public API".
+
+    params: the parameter tree (``fd.load_params`` / ``fd.init_params``); batch: {"input_ids" int64
+    [b, s], optional "positions" [b, s] (packed samples), optional "token_types" [b, s] (>= 0: image
+    span)}; state: a DecodeState (``fd.init_state``) or None. ``mode``: linear() mode ("reference",
+    "dequant", "qat"). ``debug``: a dict to receive intermediate tensors keyed like the golden files.
+    """
+    _check_inputs(params, batch, cfg, state)
+    ids = batch["input_ids"].long()
+    b, s = ids.shape
+    dev = ids.device
+    start = state.pos if state is not None else 0
+    chunk = make_chunk(batch, start, dev)
+    tt = batch.get("token_types")
+    image_mask = (tt >= 0) if tt is not None else None
+
+    ng_ids, ngram = None, None
+    if cfg.engram_layer_ids:
+        token_map = params.get("engram_token_map")
+        if token_map is None:
+            raise ValueError("forward: params lack 'engram_token_map' (load_params builds it from the checkpoint's "
+                             "tokenizer.json; init_params(cfg, tokenizer=...) too)")
+        ng_ids, ngram = engram_mod.hash_ids(ids, cfg=cfg, token_map=token_map, image_mask=image_mask,
+                                            cache=state.ngram if state is not None else None,
+                                            positions=batch.get("positions"))
+
+    h = F.embedding(ids, params["embed"]["weight"])
+    if debug is not None:
+        debug["embed"] = h
+        if ng_ids is not None:
+            debug["engram_hash"] = ng_ids
+    h = h.unsqueeze(2).expand(b, s, cfg.hc_mult, cfg.dim).contiguous()
+    pre = torch.zeros(b, s, cfg.hc_mult, dtype=torch.float32, device=dev)
+    pre[..., 0] = 1.0
+    shared = SharedAttention()
+    caches = list(state.layers) if state is not None else [None] * cfg.n_layers
+    main_hidden, hidden, pre_mix = [], {}, {}
+    for L in cfg.layer_ids:
+        p = params["layers"][L]
+        e = cfg.engram_index(L)
+        if e is not None:
+            h = engram_mod.engram_write(p["engram"], h, ng_ids[:, :, e], cfg=cfg, image_mask=image_mask, mode=mode)
+            if debug is not None:
+                debug[f"layer.{L}.engram_out"] = h
+        if L in cfg.dspark_target_layer_ids:
+            main_hidden.append(h.mean(dim=2))
+        h, pre, caches[L], shared = block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L],
+                                          shared=shared, image_mask=image_mask, mode=mode, impl=impl,
+                                          dispatch=dispatch, debug=debug)
+        if return_hidden:
+            hidden[L], pre_mix[L] = h, pre
+
+    x = rms_norm(hc_pre(h, pre), params["norm"]["weight"], cfg.norm_eps)
+    logits = F.linear(x.float(), params["head"]["weight"].float())
+    new_state = None
+    if state is not None:
+        new_state = dataclasses.replace(state, pos=start + s, layers=tuple(caches), ngram=ngram)
+    mh = torch.cat(main_hidden, -1) if main_hidden else None
+    if debug is not None and mh is not None:
+        debug["main_hidden"] = mh
+    if not return_hidden:
+        return ForwardOutput(logits, new_state, mh)
+    return ForwardOutput(logits, new_state, mh, hidden, pre_mix, dict(shared.topk), shared.candidates, ng_ids)

@@ -1,0 +1,104 @@
+"""Mixture of experts (SPEC §8): sqrt-softplus router, routed SwiGLU experts, one shared expert.
+
+Shape legend: T tokens (b*s flattened), D model dim, E routed experts, K experts per token,
+F expert intermediate dim.
+
+Numerics (reference dtype flow): router logits in fp32 (``x_fp32 @ W_g^T / gate_temp``); the
+selection adds the correction bias (``bias``, or ``bias_vl`` on image tokens) but the weights are
+the unbiased scores, renormalised over the K chosen (when ``norm_topk_prob`` and K > 1) and scaled
+by ``route_scale``. An expert computes ``w1 x`` and ``w3 x`` (bf16 GEMMs), then in fp32
+``w * silu(min(gate, limit)) * clamp(up, -limit, limit)`` - the routing weight multiplies BEFORE the
+down projection - cast to bf16 for ``w2``. Outputs accumulate in fp32 in ascending expert order,
+the shared expert is added, and the sum is cast back to bf16.
+
+Two dispatch formulations, equal in value:
+- ``dispatch="sorted"``: tokens sorted by expert, one GEMM per expert that has tokens (what scales).
+- ``dispatch="dense"``: every expert over every token, masked by the routing weights; no
+  data-dependent shapes, so it works under ``torch.func.vmap`` (tiny configs only).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import Config
+from .linear import linear
+
+
+def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_mask_T: torch.Tensor | None = None):
+    """Router: x [T, D] -> (weights_TK fp32, idx_TK int64) in torch.topk order (descending biased score)."""
+    n_exp, k = cfg.moe_experts(layer_id)
+    logits_TE = F.linear(x_TD.float(), gate["weight"].float())
+    if cfg.gate_temp != 1.0:
+        logits_TE = logits_TE / cfg.gate_temp
+    if cfg.score_func == "softmax":
+        scores_TE = logits_TE.softmax(-1)
+    elif cfg.score_func == "sigmoid":
+        scores_TE = logits_TE.sigmoid()
+    else:
+        scores_TE = F.softplus(logits_TE).sqrt()
+    bias_E = gate.get("bias")
+    choice_TE = scores_TE
+    if bias_E is not None:
+        bias_TE = bias_E.float().expand_as(scores_TE)
+        if image_mask_T is not None and "bias_vl" in gate:
+            bias_TE = torch.where(image_mask_T[:, None], gate["bias_vl"].float(), bias_TE)
+        choice_TE = scores_TE + bias_TE
+    idx_TK = choice_TE.topk(k, dim=-1).indices
+    w_TK = scores_TE.gather(-1, idx_TK)
+    if cfg.norm_topk_prob and k > 1:
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    return w_TK * cfg.route_scale, idx_TK
+
+
+def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mode: str, fake: str | None = None):
+    """One SwiGLU expert: x [n, D] bf16, routing weight w [n, 1] fp32 (None for the shared expert) -> [n, D]."""
+    gate = linear(x, p["w1"], mode=mode, fake=fake).float()
+    up = linear(x, p["w3"], mode=mode, fake=fake).float()
+    lim = cfg.swiglu_limit
+    if lim > 0:
+        gate = gate.clamp(max=lim)
+        up = up.clamp(-lim, lim)
+    y = F.silu(gate) * up
+    if w is not None:
+        y = w * y
+    return linear(y.to(x.dtype), p["w2"], mode=mode, fake=fake)
+
+
+def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: torch.Tensor | None = None,
+        mode: str = "reference", dispatch: str = "sorted", return_routing: bool = False):
+    """The FFN sublayer: x [b, s, D] bf16 -> [b, s, D] bf16 (and optionally (weights, idx) [b*s, K])."""
+    shape = x.shape
+    x_TD = x.reshape(-1, shape[-1])
+    im_T = image_mask.reshape(-1) if image_mask is not None else None
+    w_TK, idx_TK = route(x_TD, p["gate"], cfg=cfg, layer_id=layer_id, image_mask_T=im_T)
+    fake_routed = "fp4" if cfg.experts_dtype == "fp4" else "fp8"
+    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
+    experts = p["experts"]
+    if dispatch == "sorted":
+        # group token-slots by expert: one GEMM per active expert, accumulation in ascending expert order
+        flat_e = idx_TK.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=len(experts)).tolist()
+        tok = order // idx_TK.shape[1]
+        wts = w_TK.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t = tok[start:start + n]
+            out = expert(x_TD[t], experts[e], wts[start:start + n, None], cfg=cfg, mode=mode, fake=fake_routed)
+            y_TD = y_TD.index_add(0, t, out.float())
+            start += n
+    elif dispatch == "dense":
+        dense_w_TE = torch.zeros(x_TD.shape[0], len(experts), dtype=torch.float32,
+                                 device=x.device).scatter(-1, idx_TK, w_TK)
+        for e in range(len(experts)):
+            out = expert(x_TD, experts[e], dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake_routed)
+            y_TD = y_TD + out.float() * (dense_w_TE[:, e:e + 1] != 0)
+    else:
+        raise ValueError(f"moe: dispatch must be 'sorted' or 'dense', got {dispatch!r}")
+    if "shared_experts" in p:
+        y_TD = y_TD + expert(x_TD, p["shared_experts"], None, cfg=cfg, mode=mode, fake="fp8").float()
+    y = y_TD.to(x.dtype).reshape(shape)
+    return (y, (w_TK, idx_TK)) if return_routing else y
