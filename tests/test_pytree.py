@@ -1,0 +1,141 @@
+"""Path-keyed pytree tools and tree_diff (functional_dsv41/pytree.py)."""
+import dataclasses
+from typing import Optional
+
+import pytest
+import torch
+
+import functional_dsv41 as fd
+from functional_dsv41 import quant
+from functional_dsv41.pytree import register_carrier
+
+from conftest import cosine_diff
+
+
+def _tree():
+    return {
+        "embed": {"weight": torch.arange(6.0).view(2, 3)},
+        "layers": [{"attn": {"w": torch.ones(2)}, "ffn": {"experts": [torch.zeros(1), torch.full((1,), 2.0)]}},
+                   {"attn": {"w": torch.full((2,), 3.0)}, "ffn": {"experts": [torch.zeros(1), torch.ones(1)]}}],
+        "image_start": torch.tensor([7.0]),
+    }
+
+
+def test_flatten_paths_and_round_trip():
+    t = _tree()
+    flat = fd.flatten_with_paths(t)
+    assert set(flat) == {"embed.weight", "layers.0.attn.w", "layers.0.ffn.experts.0", "layers.0.ffn.experts.1",
+                         "layers.1.attn.w", "layers.1.ffn.experts.0", "layers.1.ffn.experts.1", "image_start"}
+    assert flat["layers.1.attn.w"] is t["layers"][1]["attn"]["w"]
+    back = fd.unflatten_from_paths(flat)
+    assert isinstance(back["layers"], list) and isinstance(back["layers"][0]["ffn"]["experts"], list)
+    assert fd.flatten_with_paths(back).keys() == flat.keys()
+    assert all(fd.flatten_with_paths(back)[k] is v for k, v in flat.items())
+    # the order does not depend on insertion order
+    t2 = {"image_start": t["image_start"], "layers": t["layers"], "embed": t["embed"]}
+    assert list(fd.flatten_with_paths(t2)) == list(flat)
+
+
+def test_unflatten_lists_only_for_dense_indices():
+    a, b = torch.zeros(1), torch.ones(1)
+    assert isinstance(fd.unflatten_from_paths({"x.1": a, "x.0": b})["x"], list)
+    assert fd.unflatten_from_paths({"x.1": a, "x.0": b})["x"][0] is b
+    gap = fd.unflatten_from_paths({"x.0": a, "x.2": b})["x"]
+    assert isinstance(gap, dict) and set(gap) == {"0", "2"}
+    mixed = fd.unflatten_from_paths({"x.0": a, "x.w": b})["x"]
+    assert isinstance(mixed, dict)
+    assert isinstance(fd.unflatten_from_paths({"x.00": a})["x"], dict)  # "00" is a name, not index 0
+    with pytest.raises(ValueError, match="a.b"):
+        fd.unflatten_from_paths({"a": a, "a.b": b})
+    with pytest.raises(ValueError, match="a"):
+        fd.unflatten_from_paths({"a.b": b, "a": a})
+
+
+def test_tree_map_with_path():
+    t = _tree()
+    out = fd.tree_map_with_path(lambda p, x: p, t)
+    assert out["layers"][1]["ffn"]["experts"][0] == "layers.1.ffn.experts.0"
+    assert out["embed"]["weight"] == "embed.weight"
+    two = fd.tree_map_with_path(lambda p, x, y: x + y, t, t)
+    assert torch.equal(two["layers"][1]["attn"]["w"], torch.full((2,), 6.0))
+
+
+@register_carrier
+@dataclasses.dataclass(frozen=True)
+class _Cache:
+    kv: torch.Tensor
+    pos: Optional[torch.Tensor] = None
+
+
+def test_carriers_flatten_by_field_name():
+    c = _Cache(kv=torch.ones(2), pos=torch.zeros(1))
+    flat = fd.flatten_with_paths({"layers": [c]})
+    assert list(flat) == ["layers.0.kv", "layers.0.pos"]
+    m = fd.tree_map_with_path(lambda p, x: x + 1, {"layers": [c]})
+    assert isinstance(m["layers"][0], _Cache) and torch.equal(m["layers"][0].kv, torch.full((2,), 2.0))
+    assert list(fd.flatten_with_paths(_Cache(kv=torch.ones(1)))) == ["kv"]  # None is not a leaf
+
+
+# ----------------------------------------------------------------------------- tree_diff
+def test_tree_diff_each_kind_of_difference():
+    a = {"same": torch.ones(3), "gone": torch.ones(1), "shape": torch.ones(2, 2), "dtype": torch.ones(2),
+         "val": torch.tensor([1.0, 2.0, 3.0]), "n": 3}
+    b = {"same": torch.ones(3), "new": torch.ones(1), "shape": torch.ones(4), "dtype": torch.ones(2).double(),
+         "val": torch.tensor([1.0, 2.5, 3.0]), "n": 4}
+    d = fd.tree_diff(a, b)
+    by = {r.path: r for r in d.rows}
+    assert by["same"].status == "ok" and by["same"].max_abs == 0 and by["same"].cos_diff == 0
+    assert by["gone"].status == "missing" and by["new"].status == "extra"
+    assert by["shape"].status == "shape" and by["shape"].shape_b == (4,)
+    assert by["dtype"].status == "dtype" and by["dtype"].max_abs == 0  # values still compared
+    assert by["n"].status == "value"
+    assert by["val"].status == "ok"  # without atol values are reported, not judged
+    assert by["val"].max_abs == pytest.approx(0.5)
+    assert by["val"].cos_diff == pytest.approx(cosine_diff(a["val"], b["val"]), rel=1e-12, abs=0)
+    assert not d.ok and {r.path for r in d.problems()} == {"gone", "new", "shape", "dtype", "n"}
+    assert fd.tree_diff(a, b, atol=0.1).rows[[r.path for r in d.rows].index("val")].status == "value"
+    assert fd.tree_diff(a, b, atol=0.6).rows[[r.path for r in d.rows].index("val")].status == "ok"
+    assert fd.tree_diff(a, a, atol=0.0).ok
+    text = str(d)
+    for p in ("gone", "new", "shape", "dtype", "val", "missing", "extra", "5.000e-01"):
+        assert p in text
+    worst = d.worst(3)
+    assert {r.status for r in worst[:2]} == {"missing", "extra"} and worst[2].path == "shape"
+    assert d.worst(100)[-1].path == "same"
+
+
+def test_tree_diff_worst_ranks_by_cosine():
+    a = {"x": torch.tensor([1.0, 0.0]), "y": torch.tensor([1.0, 0.0]), "z": torch.tensor([1.0, 0.0])}
+    b = {"x": torch.tensor([1.0, 0.1]), "y": torch.tensor([0.0, 1.0]), "z": torch.tensor([1.0, 0.0])}
+    assert [r.path for r in fd.tree_diff(a, b).worst(3)] == ["y", "x", "z"]
+
+
+def test_tree_diff_quantized_by_value():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=g)
+    q, s = quant.quant_fp8_block(w)
+    q2 = q.view(torch.uint8).clone()
+    q2[0, 0] ^= 1  # one ulp-ish change of one element
+    q2 = q2.view(quant.FP8)
+    d = fd.tree_diff({"w": {"weight": q, "scale": s}}, {"w": {"weight": q2, "scale": s}})
+    row = {r.path: r for r in d.rows}["w.weight"]
+    ref = (quant.dequant_fp8_block(q, s, torch.float64) - quant.dequant_fp8_block(q2, s, torch.float64)).abs().max()
+    assert row.max_abs == pytest.approx(float(ref)) and row.max_abs > 0
+    assert {r.path: r for r in d.rows}["w.scale"].note == "bytewise"
+    # fp4 experts and fp8 rows decode through their scale as well
+    f4, f4s = quant.quant_fp4(w)
+    r8, r8s = quant.quant_fp8_rows(w)
+    tree = {"e": {"weight": f4, "scale": f4s}, "t": {"weight": r8, "scale": r8s}}
+    dq = {"e": {"weight": quant.dequant_fp4(f4, f4s, torch.float32)},
+          "t": {"weight": quant.dequant_fp8_rows(r8, r8s, torch.float32)}}
+    d = fd.tree_diff(tree, dq)
+    rows = {r.path: r for r in d.rows}
+    assert rows["e.weight"].status == "dtype" and rows["e.weight"].max_abs == 0
+    assert rows["t.weight"].status == "dtype" and rows["t.weight"].max_abs == 0
+    assert rows["e.scale"].status == "missing"
+    # a scale that differs bytewise fails only when values are judged
+    s2 = s.view(torch.uint8).clone()
+    s2[0, 0] += 1
+    d = fd.tree_diff({"s": s}, {"s": s2.view(quant.E8M0)})
+    assert d.ok and "1 bytes differ" in d.rows[0].note
+    assert not fd.tree_diff({"s": s}, {"s": s2.view(quant.E8M0)}, atol=1.0).ok
