@@ -302,13 +302,13 @@ def validate_table(embed: dict, *, cfg, layer_id: int) -> None:
 # ----------------------------------------------------------------------------- §6.5 gated write
 def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
                  image_mask: Optional[torch.Tensor] = None, mode: str = "reference",
-                 layer_id: Optional[int] = None) -> torch.Tensor:
+                 layer_id: Optional[int] = None, check: bool = True) -> torch.Tensor:
     """Engram write into the hc streams (SPEC §6.5): bf16 [B, S, N, M] -> bf16 [B, S, N, M].
 
     p = params["layers"][L]["engram"]: {"embed": {"weight", "scale"}, "wkv": {"weight", "scale"?},
     "q_weight": [N, M], "k_weight": [N, M]}; ids int64 [B, S, C] of this layer (``hash_ids(..)[:, :, e]``);
     image_mask bool [B, S] (True = image token: gate 0). ``layer_id`` given: the table is checked
-    against the layout first.
+    against the layout first; ``check=False`` skips the row-id range check (a device sync).
 
     Dtype flow (the reference's): e = gathered rows bf16 [B, S, C*D]; kv = linear(e, wkv) bf16
     [B, S, (N+1)*M]; key = kv[:N*M] -> fp32, h -> fp32, qk = fp32(q_weight) * fp32(k_weight);
@@ -318,7 +318,7 @@ def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
     B, S, N, M = h.shape
     if layer_id is not None:
         validate_table(p["embed"], cfg=cfg, layer_id=layer_id)
-    e = lookup(p["embed"]["weight"], p["embed"].get("scale"), ids)          # [B, S, C*D] bf16
+    e = lookup(p["embed"]["weight"], p["embed"].get("scale"), ids, check=check)  # [B, S, C*D] bf16
     kv = linear(e, p["wkv"], mode=mode).to(torch.bfloat16)                 # [B, S, (N+1)*M]
     key_BSNM = kv[..., :N * M].unflatten(-1, (N, M)).float()
     value_BSM = kv[..., N * M:]
@@ -331,4 +331,4 @@ def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
     g_BSN = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     if image_mask is not None:
         g_BSN = torch.where(image_mask[..., None], 0.0, g_BSN)
-    return (h32 + g_BSN[..., None] * value_BSM[:, :, None, :].float()).to(torch.bfloat16)
+    return (h32 + g_BSN[..., None] * value_BSM[:, :, None, :].float()).to(h.dtype)
