@@ -1,0 +1,338 @@
+"""DSpark draft stages (SPEC §7): a block drafter fed by the main model's hidden states.
+
+    main_x  = RMSNorm_main(W_main main_hidden)                 [b, s, dim]   main_hidden = concat of the
+                                                                              stream-mean INPUTS of the target layers
+    main_kv = fp8_QDQ(RoPE(RMSNorm_kv(W_kv main_x)))           per stage, at the main positions (theta = rope_theta)
+    draft   = [last token, noise, ..., noise]                  [b, B] at positions p+1 .. p+B
+    h = Embed(draft) x hc streams; pre = one-hot(stream 0)
+    for each stage: h, pre = mHC block whose attention reads [main-KV window ring ; the block's own kv]
+                           (every draft query sees every filled ring slot and every block position)
+    x = hc_pre(h, pre);  logits = head(RMSNorm_norm(x)) (fp32)
+    for i in 0..B-1:  e_i = markov.embed[out_i];  logits_i += markov.head e_i;  out_{i+1} = sample(logits_i)
+                      confidence_i = proj([x_i ; e_i])
+
+State: ``DecodeState.dspark[s]`` is stage s's window ring of main KV (``AttnCache.window_kv``
+[b, W, head_dim], slot = position % W). ``dspark_prefill`` writes the main KV of the chunk the main
+model just processed (positions ``state.pos - s .. state.pos - 1``); ``dspark_draft`` writes the main
+KV of the newest position ``p = state.pos - 1`` (idempotent if already written) and drafts positions
+``p+1 .. p+B``. The draft block's own kv is never stored: the rings only ever hold main-model KV.
+
+Numerics follow the reference's dtype flow (bit-exact on the tiny fixtures): bf16 activations,
+kv fp8-QDQ'd, the ring listed in SLOT order followed by the block (sparse_attn sums in that order),
+fp32 LM head, Markov embedding/head and confidence projection in fp32 (the reference holds them fp32).
+
+Shape legend: b batch, B draft block size, W window, D head_dim, H heads, V vocab, r Markov rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .attention import fp8_qdq
+from .config import Config
+from .hyper import hc_mixes, hc_post, hc_pre
+from .linear import dequantize, linear
+from .moe import moe
+from .norm import rms_norm
+from .rope import apply_rope, rope_angles
+from .state import AttnCache, DecodeState, config_id
+
+
+def main_x(params: dict, main_hidden: torch.Tensor, *, cfg: Config, mode: str = "reference") -> torch.Tensor:
+    """main_hidden [b, s, n_targets*dim] bf16 -> RMSNorm(main_norm, W_main main_hidden) [b, s, dim] bf16."""
+    p0 = params["mtp"][0]
+    return rms_norm(linear(main_hidden, p0["main_proj"], mode=mode), p0["main_norm"]["weight"], cfg.norm_eps)
+
+
+def main_kv(p_attn: dict, mx: torch.Tensor, positions: torch.Tensor, *, cfg: Config, layer_id: int,
+            mode: str = "reference") -> torch.Tensor:
+    """A stage's KV of main positions: fp8_QDQ(RoPE(RMSNorm_kv(W_kv main_x))). mx [b, s, dim],
+    positions int64 [s] or [b, s] -> [b, s, D] bf16 (SPEC §7 "Prefill")."""
+    kv = rms_norm(linear(mx, p_attn["wkv"], mode=mode), p_attn["kv_norm"]["weight"], cfg.norm_eps)
+    return fp8_qdq(apply_rope(kv, rope_angles(cfg, layer_id, positions)))
+
+
+def _write_ring(ring: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+    """ring [b, W, D] with rows [b, s, D] for positions start..start+s-1 written at slot pos % W (new tensor)."""
+    W, s = ring.shape[1], rows.shape[1]
+    keep = min(s, W)                                   # only the newest W positions survive
+    pos = torch.arange(start + s - keep, start + s, device=ring.device)
+    return ring.index_copy(1, pos % W, rows[:, s - keep:].to(ring.dtype))
+
+
+def _check_state(params: dict, state: DecodeState, cfg: Config, b: int, where: str) -> None:
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"{where}: state must be a DecodeState (fd.init_state), got {type(state).__name__}")
+    if state.config_id != config_id(cfg):
+        raise ValueError(f"{where}: the state was built for another config")
+    if state.batch_size != b:
+        raise ValueError(f"{where}: the state holds {state.batch_size} rows, the input has {b}")
+    if cfg.n_mtp_layers < 1 or len(state.dspark) != cfg.n_mtp_layers:
+        raise ValueError(f"{where}: the config has no DSpark stages (n_mtp_layers = {cfg.n_mtp_layers})")
+    if len(params.get("mtp", ())) != cfg.n_mtp_layers:
+        raise ValueError(f"{where}: params have {len(params.get('mtp', ()))} DSpark stages ('mtp'), "
+                         f"the config {cfg.n_mtp_layers}")
+
+
+def _check_hidden(main_hidden: torch.Tensor, cfg: Config, where: str) -> None:
+    want = len(cfg.dspark_target_layer_ids) * cfg.dim
+    if main_hidden.dim() != 3 or main_hidden.shape[-1] != want:
+        raise ValueError(f"{where}: main_hidden must be [b, s, {want}] (forward(...).main_hidden), "
+                         f"got {tuple(main_hidden.shape)}")
+
+
+def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, state: DecodeState,
+                   mode: str = "reference") -> DecodeState:
+    """Seed/extend every stage's main-KV ring with the chunk the main model just ran (SPEC §7 "Prefill").
+
+    main_hidden [b, s, n_targets*dim] = ``forward(...).main_hidden`` of that chunk; ``state`` = the
+    state that forward returned (the chunk covers positions ``state.pos - s .. state.pos - 1``).
+    Returns the state with new ``dspark`` rings (everything else shared).
+    """
+    _check_hidden(main_hidden, cfg, "dspark_prefill")
+    _check_state(params, state, cfg, main_hidden.shape[0], "dspark_prefill")
+    s = main_hidden.shape[1]
+    start = state.pos - s
+    if start < 0:
+        raise ValueError(f"dspark_prefill: {s} hidden rows but the state is at position {state.pos}")
+    mx = main_x(params, main_hidden, cfg=cfg, mode=mode)
+    pos = torch.arange(start, start + s, device=mx.device)
+    rings = []
+    for si, L in enumerate(cfg.dspark_layer_ids):
+        kv = main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode)
+        rings.append(AttnCache(_write_ring(state.dspark[si].window_kv, kv, start)))
+    return dataclasses.replace(state, dspark=tuple(rings))
+
+
+def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.Tensor, rot: torch.Tensor, *,
+                     cfg: Config, mode: str, impl, debug: Optional[dict]):
+    """Draft attention (SPEC §7): x [b, M, dim] normed draft inputs; kv_all [b, N, D] the stage's main-KV
+    rows, to which the M draft rows' own kv (fp8 QDQ) are appended; idx [b, M, T] indexes
+    [main rows ; draft rows] (-1 = none); rot [b, M, rd/2] the queries' rotations -> [b, M, dim]."""
+    b, M, _ = x.shape
+    H, D = cfg.n_heads, cfg.head_dim
+    eps = cfg.norm_eps
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode), p["q_norm"]["weight"], eps)
+    q = apply_rope(linear(qr, p["wq_b"], mode=mode).view(b, M, H, D), rot[:, :, None, :])
+    kv = rms_norm(linear(x, p["wkv"], mode=mode), p["kv_norm"]["weight"], eps)
+    kv = fp8_qdq(apply_rope(kv, rot))
+    kv_all = torch.cat([kv_all, kv], 1)
+    o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
+    if debug is not None:
+        debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
+    o = apply_rope(o, rot[:, :, None, :], inverse=True)
+    G = cfg.o_groups
+    wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
+    u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, M, G, -1), wo_a)
+    return linear(u.flatten(2), p["wo_b"], mode=mode)
+
+
+def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,
+            cfg: Config, mode: str, impl, dispatch: str, debug: Optional[dict]):
+    """Run all draft stages. ids [b, M] draft tokens; main_rows[s] [b, N, D] stage s's main KV rows;
+    idx [b, M, T] into [main rows ; the M block rows]; qpos [b, M] positions -> x = hc_pre(h, pre) [b, M, dim]."""
+    b, M = ids.shape
+    eps = cfg.norm_eps
+    h = F.embedding(ids, params["embed"]["weight"]).unsqueeze(2).expand(b, M, cfg.hc_mult, cfg.dim).contiguous()
+    pre = torch.zeros(b, M, cfg.hc_mult, dtype=torch.float32, device=ids.device)
+    pre[..., 0] = 1.0
+    for si, L in enumerate(cfg.dspark_layer_ids):
+        p = params["mtp"][si]
+        d = {} if debug is not None else None
+        rot = rope_angles(cfg, L, qpos)
+        res = h
+        a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
+        x = rms_norm(hc_pre(h, pre), p["attn_norm"]["weight"], eps)
+        x = _stage_attention(p["attn"], x, main_rows[si], idx, rot, cfg=cfg, mode=mode, impl=impl, debug=d)
+        h = hc_post(x, res, a_post, a_comb)
+        res = h
+        f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
+        y = rms_norm(hc_pre(h, a_pre), p["ffn_norm"]["weight"], eps)
+        y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=L, mode=mode, dispatch=dispatch, return_routing=True)
+        h = hc_post(y, res, f_post, f_comb)
+        pre = f_pre
+        if debug is not None:
+            d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
+            debug.update({f"stage.{si}.{k}": v for k, v in d.items()})
+    return hc_pre(h, pre)
+
+
+def _head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """x [..., dim] bf16 -> base draft logits [..., V] fp32 (shared LM head, last stage's norm)."""
+    pl = params["mtp"][-1]
+    return F.linear(rms_norm(x, pl["norm"]["weight"], cfg.norm_eps).float(), params["head"]["weight"].float())
+
+
+def _markov(params: dict, tok: torch.Tensor):
+    """tok int64 [...] -> (e [..., r] fp32, bias [..., V] fp32): the Markov head (fp32 as the reference holds it)."""
+    pl = params["mtp"][-1]
+    e = F.embedding(tok, pl["markov_head"]["embed"]["weight"]).float()
+    return e, F.linear(e, pl["markov_head"]["head"]["weight"].float())
+
+
+def _confidence(params: dict, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """proj([x ; e]) in fp32: x [..., dim] bf16, e [..., r] fp32 -> [...] fp32."""
+    w = params["mtp"][-1]["confidence_head"]["proj"]["weight"].float()
+    return F.linear(torch.cat([x.float(), e], -1), w).squeeze(-1)
+
+
+def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits [..., V] fp32 -> token ids [...] int64. temperature 0: argmax; else a draw from
+    ``probs(logits, temperature, top_p)`` with ``generator`` (``torch.multinomial``)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    pr = probs(logits, temperature, top_p)
+    return torch.multinomial(pr.reshape(-1, pr.shape[-1]), 1, generator=generator).reshape(pr.shape[:-1])
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The sampling distribution [..., V] fp32: softmax(logits / T), restricted to the smallest set of
+    tokens whose probability reaches ``top_p`` (nucleus; ties at the edge kept in sorted order), renormalised."""
+    pr = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sp, si = pr.sort(-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) >= top_p                # mass before this token already reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        pr = torch.zeros_like(pr).scatter(-1, si, sp)
+        pr = pr / pr.sum(-1, keepdim=True)
+    return pr
+
+
+@dataclass(frozen=True)
+class Draft:
+    """dspark_draft's result. out_ids [b, B+1] int64 = [given token, B drafted tokens]; logits [b, B, V]
+    fp32 (Markov bias included; logits[:, i] is the distribution of out_ids[:, i+1]); confidence [b, B]
+    fp32; state = the state with the DSpark rings holding main KV up to position state.pos - 1."""
+    out_ids: torch.Tensor
+    logits: torch.Tensor
+    confidence: torch.Tensor
+    state: DecodeState
+
+    def __iter__(self):  # (out_ids, logits, confidence, state) = dspark_draft(...)
+        return iter((self.out_ids, self.logits, self.confidence, self.state))
+
+
+def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Tensor, *, cfg: Config,
+                 state: DecodeState, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None, mode: str = "reference", impl=None,
+                 dispatch: str = "sorted", debug: Optional[dict] = None) -> Draft:
+    """Draft ``B = cfg.dspark_block_size`` tokens after ``last_token`` (SPEC §7 "Decode", "Head").
+
+    last_token int64 [b] (or [b, 1]): the newest sampled token, to sit at position ``state.pos``;
+    main_hidden_p [b, 1, n_targets*dim]: ``forward(...).main_hidden`` of position p = state.pos - 1
+    (the last position the main model consumed). The stage rings get position p's main KV; the block
+    [last_token, noise, ...] is drafted at positions p+1 .. p+B; sampling is sequential (the Markov
+    bias of position i depends on out_ids[i]). Returns ``Draft(out_ids, logits, confidence, state)``.
+    ``debug`` receives ``stage.{s}.*`` tensors named like the golden ``decode.{k}.spec.*``.
+    """
+    _check_hidden(main_hidden_p, cfg, "dspark_draft")
+    last = last_token.reshape(-1).long()
+    b = last.shape[0]
+    _check_state(params, state, cfg, b, "dspark_draft")
+    if main_hidden_p.shape[:2] != (b, 1):
+        raise ValueError(f"dspark_draft: main_hidden_p must be [{b}, 1, ...] (position state.pos - 1), "
+                         f"got {tuple(main_hidden_p.shape)}")
+    p = state.pos - 1
+    if p < 0:
+        raise ValueError("dspark_draft: the main model has consumed no token yet (state.pos == 0)")
+    B, W, dev = cfg.dspark_block_size, cfg.window_size, last.device
+    state = dspark_prefill(params, main_hidden_p, cfg=cfg, state=state, mode=mode)
+    rings = [c.window_kv for c in state.dspark]
+    ids = torch.full((b, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+    ids[:, 0] = last
+    qpos = torch.arange(p + 1, p + 1 + B, device=dev).expand(b, B)
+    slot = torch.arange(W, device=dev)
+    idx = torch.cat([torch.where(slot <= p, slot, -1), W + torch.arange(B, device=dev)])   # ring slots, then block
+    idx = idx.expand(b, B, W + B)
+    x = _stages(params, ids, rings, idx, qpos, cfg=cfg, mode=mode, impl=impl, dispatch=dispatch, debug=debug)
+    logits = _head(params, x, cfg)
+    out, es, lg = [last], [], []
+    for i in range(B):
+        e, bias = _markov(params, out[i])
+        es.append(e)
+        lg.append(logits[:, i] + bias)
+        out.append(sample_logits(lg[i], temperature, top_p, generator))
+    conf = _confidence(params, x, torch.stack(es, 1))       # one GEMM over the block, as the reference
+    return Draft(torch.stack(out, 1), torch.stack(lg, 1), conf, state)
+
+
+@dataclass(frozen=True)
+class DSparkOutput:
+    """dspark_forward's result, per anchor a (main position p = anchors[a]) and draft slot i < B:
+    logits [b, n, B, V] fp32 (teacher-forced Markov bias), confidence [b, n, B] fp32,
+    targets [b, n, B] int64 = the token at position p+2+i, -1 where it lies past the row or in another
+    packed sample (no loss there)."""
+    logits: torch.Tensor
+    confidence: torch.Tensor
+    targets: torch.Tensor
+
+
+def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Tensor, *, cfg: Config,
+                   positions: Optional[torch.Tensor] = None, anchors: Optional[torch.Tensor] = None,
+                   mode: str = "reference", impl=None, dispatch: str = "sorted",
+                   debug: Optional[dict] = None) -> DSparkOutput:
+    """Stateless, teacher-forced draft over a whole (plain or packed) sequence: the draft loss's forward.
+
+    main_hidden [b, S, n_targets*dim] = ``forward(params, batch).main_hidden`` of the same rows;
+    input_ids int64 [b, S]; positions [b, S] per-sample positions of packed rows (None: one sample
+    per row); anchors int64 [n] main positions p to draft after (default: every p in 0..S-2).
+    For anchor p the block is ``[input_ids[p+1], noise, ..]`` at positions p+1..p+B and sees the main
+    KV of positions max(sample start, p-W+1)..p plus the whole block - exactly what ``dspark_draft``
+    computes in decode after the main model consumed position p, rows listed in the same ring-slot
+    order (so the two agree bit for bit). The Markov bias of slot i is teacher-forced: it comes from the
+    TRUE token at p+1+i (decode uses the sampled one). Targets: the token at p+2+i.
+    Returns ``DSparkOutput(logits [b, n, B, V], confidence [b, n, B], targets [b, n, B])``.
+    Cost: n*B draft queries; pass a subset of anchors for long rows (logits are n*B*V fp32).
+    """
+    _check_hidden(main_hidden, cfg, "dspark_forward")
+    if input_ids.dim() != 2 or input_ids.shape != main_hidden.shape[:2]:
+        raise ValueError(f"dspark_forward: input_ids {tuple(input_ids.shape)} must be [b, S] matching "
+                         f"main_hidden {tuple(main_hidden.shape[:2])}")
+    b, S = input_ids.shape
+    B, W, dev = cfg.dspark_block_size, cfg.window_size, input_ids.device
+    ids = input_ids.long()
+    pos = (positions.to(dev, torch.long) if positions is not None
+           else torch.arange(S, device=dev).expand(b, S))
+    if pos.shape != (b, S):
+        raise ValueError(f"dspark_forward: positions {tuple(pos.shape)} must match input_ids {(b, S)}")
+    if anchors is None:
+        anchors = torch.arange(max(S - 1, 0), device=dev)
+    anchors = anchors.to(dev, torch.long).reshape(-1)
+    n = anchors.shape[0]
+    if n == 0 or int(anchors.min()) < 0 or int(anchors.max()) > S - 2:
+        raise ValueError(f"dspark_forward: anchors must be a non-empty subset of 0..{S - 2}")
+    seg = torch.arange(S, device=dev) - pos                                   # [b, S] sample start (absolute)
+    bi = torch.arange(b, device=dev)[:, None]
+    p_abs = anchors.expand(b, n)
+    p_rel = pos[bi, p_abs]                                                    # [b, n]
+    # block tokens / positions / teacher tokens / targets
+    off = torch.arange(B + 1, device=dev)
+    t_abs = p_abs[..., None] + 1 + off                                        # [b, n, B+1] positions p+1 .. p+B+1
+    inside = t_abs < S
+    t_c = t_abs.clamp(max=S - 1)
+    same = inside & (seg[bi[..., None], t_c] == seg[bi, p_abs][..., None])
+    tok = torch.where(same, ids[bi[..., None], t_c], cfg.dspark_noise_token_id)   # true tokens (noise past the end)
+    blk = torch.full((b, n, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+    blk[..., 0] = tok[..., 0]
+    targets = torch.where(same[..., 1:] & same[..., :1], tok[..., 1:], -1)    # no target if p+1 is another sample
+    qpos = (p_rel[..., None] + 1 + off[:B]).reshape(b, n * B)
+    # window rows in ring-slot order: slot j holds the newest t <= p with t % W == j (sample-relative)
+    j = torch.arange(W, device=dev)
+    t_rel = p_rel[..., None] - ((p_rel[..., None] - j) % W)                   # [b, n, W]
+    win = torch.where(t_rel >= 0, p_abs[..., None] - p_rel[..., None] + t_rel, -1)
+    own = S + torch.arange(n, device=dev)[:, None] * B + torch.arange(B, device=dev)   # [n, B] rows of a's block
+    idx = torch.cat([win[:, :, None, :].expand(b, n, B, W), own[:, None, :].expand(b, n, B, B)], -1).reshape(b, n * B, W + B)
+    mx = main_x(params, main_hidden, cfg=cfg, mode=mode)
+    rows = [main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode)
+            for si, L in enumerate(cfg.dspark_layer_ids)]
+    x = _stages(params, blk.reshape(b, n * B), rows, idx, qpos, cfg=cfg, mode=mode, impl=impl,
+                dispatch=dispatch, debug=debug).view(b, n, B, cfg.dim)
+    e, bias = _markov(params, tok[..., :B])
+    logits = _head(params, x, cfg) + bias
+    return DSparkOutput(logits, _confidence(params, x, e), targets)
