@@ -132,3 +132,30 @@ class TrainCheckpointer:
         return {"step": meta["step"], "params": sub("params/"),
                 "opt_state": {"count": meta["opt_count"], "mu": sub("opt/mu/"), "nu": sub("opt/nu/")},
                 "data_state": meta["data"], "rng_state": t.get("rng/torch"), "extra": meta.get("extra", {})}
+
+
+# ----------------------------------------------------------------------------- export
+def to_storage(flat: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Flat float master params -> the release's storage dtypes, per ``params.spec_entries(cfg)``.
+
+    A float leaf the release stores quantized (``fmt`` fp8 32x32 / fp4 1x32 / Engram fp8 rows) is
+    re-quantised with the same quantizer ``init_params`` uses, producing ``weight`` + ``scale``; a
+    leaf already in storage form (e.g. a frozen fp8 table with its scale) is kept; plain tensors are
+    cast to their storage dtype. Leaves outside the spec (``engram_token_map``) pass through.
+    """
+    from functional_dsv41 import quant
+    from functional_dsv41.params import spec_entries
+    qz = {"fp8": quant.quant_fp8_block, "fp4": quant.quant_fp4, "rows": quant.quant_fp8_rows}
+    out = {k: v for k, v in flat.items()}
+    for e in spec_entries(cfg):
+        if e.fmt == "scale":
+            continue
+        if e.name not in flat:
+            raise KeyError(f"to_storage: params lack {e.name}")
+        t = flat[e.name]
+        if e.fmt in qz and t.is_floating_point() and t.element_size() >= 2:
+            q, s = qz[e.fmt](t.detach().float())
+            out[e.name], out[e.name[: -len("weight")] + "scale"] = q, s
+        else:
+            out[e.name] = t.detach().to(e.dtype) if t.dtype != e.dtype else t.detach()
+    return out

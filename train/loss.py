@@ -1,0 +1,152 @@
+"""Training losses as a named dict of parts; ``total = Σ coef[name] · part[name]`` over the parts that are on.
+
+Parts (``LOSS_NAMES``):
+  - ``ce``: next-token cross-entropy, mean over valid targets (``labels != IGNORE``; data.make_labels
+    never lets a target cross a packed-sample boundary).
+  - ``draft``: DSpark draft cross-entropy (optional): the draft head's logits for the next
+    ``dspark_block_size - 1`` tokens after every position, against the tokens of the same sample.
+    Needs ``functional_dsv41.dspark_forward`` (the model's DSpark training forward).
+  - ``indexer_kl``: lightning-indexer distillation (optional, off by default): per index-source
+    layer, KL(teacher ‖ softmax(student)) over the selected compressed slots, where the teacher is
+    the attention's own probability mass on each selected slot (detached; summed over heads if it has
+    a head axis, renormalised over the slots) and the student the indexer's scores at those slots
+    before the candidate mask. Mean over query tokens that have at least one valid slot, then over
+    layers. Needs ``forward(..., aux=True)`` to return ``out.aux["indexer"]``.
+
+A coefficient ``<= 0`` switches its part OFF: it is not computed at all (no forward extras, no graph),
+not a zero-weighted term. ``compute_losses`` raises if every part is off.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import IGNORE
+
+LOSS_NAMES = ("ce", "draft", "indexer_kl")
+DEFAULT_COEFS = {"ce": 1.0, "draft": 0.0, "indexer_kl": 0.0}
+
+
+def active(coefs: Mapping[str, float]) -> list[str]:
+    """Names of the parts that are on (coefficient > 0), in LOSS_NAMES order."""
+    unknown = sorted(set(coefs) - set(LOSS_NAMES))
+    if unknown:
+        raise KeyError(f"unknown loss part(s) {unknown}; known: {list(LOSS_NAMES)}")
+    return [n for n in LOSS_NAMES if float(coefs.get(n, 0.0)) > 0]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean CE over targets != IGNORE. logits [..., V] (fp32 upcast), labels [...] int64 -> scalar fp32."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    lab = labels.reshape(-1)
+    n = (lab != IGNORE).sum()
+    if int(n) == 0:
+        raise ValueError("cross_entropy: the batch has no valid targets")
+    return F.cross_entropy(flat, lab, ignore_index=IGNORE, reduction="sum") / n
+
+
+def per_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CE per position [b, s] (0 where there is no target): for tests and evaluation."""
+    lab = labels.clamp_min(0)
+    ce = F.cross_entropy(logits.float().transpose(1, -1), lab, reduction="none")
+    return torch.where(labels != IGNORE, ce, torch.zeros_like(ce))
+
+
+def draft_labels(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, n_draft: int) -> torch.Tensor:
+    """Targets [b, s, n_draft] for the DSpark draft: slot k of position t predicts token t+1+k when it is
+    in the same sample (chaining ``labels``, which already stop at sample ends). IGNORE otherwise."""
+    b, s = ids.shape
+    out = torch.full((b, s, n_draft), IGNORE, dtype=torch.long, device=ids.device)
+    valid = labels != IGNORE              # t -> t+1 is a real target
+    for k in range(n_draft):
+        # token t+1+k is a target of t iff every step t..t+k stays inside the sample
+        ok = valid[:, : s - k].clone()
+        for j in range(1, k + 1):
+            ok &= valid[:, j: s - k + j]
+        out[:, : s - k, k] = torch.where(ok, labels[:, k:], torch.full_like(labels[:, k:], IGNORE))
+    return out
+
+
+def indexer_kl(aux_indexer: Mapping, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """KL(teacher ‖ softmax(student)) averaged over layers (module docstring).
+
+    ``aux_indexer``: {layer: {"teacher": [b, s, k] or [b, s, h, k], "student": [b, s, k], optional
+    "valid": [b, s, k] bool}}. Slots with a non-finite student score or ``valid == False`` are excluded.
+    ``token_mask`` [b, s] bool: query tokens to average over (e.g. not padding).
+    """
+    if not aux_indexer:
+        raise ValueError("indexer_kl: the forward returned no indexer aux (no index-source layers?)")
+    per_layer = []
+    for layer, d in sorted(aux_indexer.items()):
+        t, st = d["teacher"].detach().float(), d["student"].float()
+        if t.dim() == st.dim() + 1:
+            t = t.sum(-2)                                  # sum over heads
+        valid = torch.isfinite(st) & torch.isfinite(t)
+        if d.get("valid") is not None:
+            valid &= d["valid"]
+        t = torch.where(valid, t.clamp_min(0), torch.zeros_like(t))
+        tsum = t.sum(-1, keepdim=True)
+        p = t / tsum.clamp_min(1e-30)
+        logq = torch.log_softmax(torch.where(valid, st, torch.full_like(st, float("-inf"))), -1)
+        logq = torch.where(valid, logq, torch.zeros_like(logq))
+        kl_tok = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)          # [b, s]
+        rows = valid.any(-1) & (tsum.squeeze(-1) > 0)
+        if token_mask is not None:
+            rows &= token_mask
+        n = rows.sum()
+        per_layer.append(torch.where(rows, kl_tok, torch.zeros_like(kl_tok)).sum() / n.clamp_min(1))
+    return torch.stack(per_layer).mean()
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        ps = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in ps or any(p.kind == p.VAR_KEYWORD for p in ps.values())
+
+
+def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coefs: Mapping[str, float],
+                   forward: Callable, mode: str = "dequant", pad_id: Optional[int] = None,
+                   forward_kwargs: Optional[dict] = None, draft_forward: Optional[Callable] = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run the forward once and return ``(total, parts)``; only the parts that are on appear in ``parts``.
+
+    ``forward`` has the signature of ``fd.forward``; ``batch`` holds input_ids, positions, labels.
+    """
+    on = active(coefs)
+    if not on:
+        raise ValueError(f"every loss coefficient is <= 0 ({dict(coefs)}): nothing to train")
+    kw = dict(forward_kwargs or {})
+    if "indexer_kl" in on:
+        if not _accepts(forward, "aux"):
+            raise NotImplementedError("indexer_kl is on but the model forward has no aux=True output yet")
+        kw["aux"] = True
+    inputs = {"input_ids": batch["input_ids"]}
+    if batch.get("positions") is not None:
+        inputs["positions"] = batch["positions"]
+    out = forward(params, inputs, cfg=cfg, state=None, mode=mode, **kw)
+    parts: dict[str, torch.Tensor] = {}
+    if "ce" in on:
+        parts["ce"] = cross_entropy(out.logits, batch["labels"])
+    if "draft" in on:
+        if draft_forward is None:
+            raise NotImplementedError("the draft loss is on but the model has no DSpark training forward "
+                                      "(functional_dsv41.dspark_forward) yet; set --loss.draft=0")
+        dl = draft_forward(params, out, inputs, cfg=cfg, mode=mode)          # [b, s, n_draft, V]
+        tgt = draft_labels(batch["input_ids"], batch.get("positions", _default_positions(batch["input_ids"])),
+                           batch["labels"], dl.shape[-2])
+        parts["draft"] = cross_entropy(dl, tgt)
+    if "indexer_kl" in on:
+        aux = getattr(out, "aux", None) or {}
+        mask = None if pad_id is None else batch["input_ids"] != pad_id
+        parts["indexer_kl"] = indexer_kl(aux.get("indexer", {}), mask)
+    total = sum(float(coefs[n]) * parts[n] for n in on)
+    return total, parts
+
+
+def _default_positions(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)

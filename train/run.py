@@ -1,0 +1,359 @@
+"""The scripted training loop: ``python train/run.py --config tiny --out runs/tiny``.
+
+Trains a model preset on the shipped corpus (data/), logging one line per step (loss parts, lr,
+grad norm, tokens/s, step time) under a progress bar and one JSON object per step to
+``OUT/metrics.jsonl``; saves orbax train-state checkpoints to ``OUT/ckpt`` (asynchronous, last
+``keep_last``); at the end exports the params to ``OUT/export`` in the released layout (re-quantised
+where the config stores fp8/fp4) and prints a greedy sample.
+
+Command line: ``--config NAME`` (model + run preset), ``--steps N``, ``--out DIR``, ``--resume``, and
+``--key=value`` (or ``--key value``) for any ``RunConfig`` field; ``--loss.ce=1`` is ``--loss_ce=1``.
+``--resume`` continues from the newest checkpoint in ``OUT/ckpt`` bit-identically to a run that was
+never interrupted (same params, optimizer state, data position, RNG; metrics lines after the
+checkpoint are dropped and recomputed).
+
+Exit status: 0 on success; 2 when a loss part or gradient goes non-finite (the message names the step
+and the part/leaves; the last good checkpoint is left complete and loadable).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+if __package__ in (None, ""):  # `python train/run.py` from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+import functional_dsv41 as fd
+from functional_dsv41.train import checkpoint as ckpt_mod
+from functional_dsv41.train import data as data_mod
+from functional_dsv41.train import optim, step as step_mod
+from functional_dsv41.train.tokenizer import CORPUS_TXT, TOKENIZER_JSON, load_tokenizer, special_ids
+
+
+@dataclass
+class RunConfig:
+    config: str = "tiny"           # model preset (PRESETS) or a path to an inference config.json
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128             # packed row length
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip: float = 1.0
+    seed: int = 0
+    log_every: int = 1             # metrics.jsonl gets every step; the console every N
+    ckpt_every: int = 50
+    keep_last: int = 2
+    out: str = "runs/tiny"
+    resume: bool = False
+    qat: bool = False              # mode="qat": linear() fake-quantises (fp8 / fp4 experts), STE gradients
+    mode: str = "dequant"          # forward mode when qat is off
+    loss_ce: float = 1.0
+    loss_draft: float = 0.0        # DSpark draft loss (needs fd.dspark_forward)
+    loss_indexer_kl: float = 0.0   # lightning-indexer KL (needs forward(aux=True))
+    frozen: str = ",".join(step_mod.FROZEN_DEFAULT)   # comma-separated globs of frozen param paths
+    remat: bool = False            # per-block activation checkpointing (needs the model hook)
+    corpus: str = CORPUS_TXT
+    tokenizer: str = TOKENIZER_JSON
+    threads: int = 0               # torch intra-op threads (0: torch's default)
+    export: bool = True
+    sample_prompt: str = "Once upon a time"
+    sample_tokens: int = 48
+    progress: str = "auto"         # progress bar: auto (when stderr is a terminal), on, off
+
+    @property
+    def coefs(self) -> dict[str, float]:
+        return {"ce": self.loss_ce, "draft": self.loss_draft, "indexer_kl": self.loss_indexer_kl}
+
+
+# ----------------------------------------------------------------------------- presets
+def engram_rows(cfg: fd.Config) -> tuple[int, ...]:
+    """``engram_num_embeddings`` implied by the Engram prime layout of ``cfg`` (sum of primes per layer)."""
+    from functional_dsv41.engram import _layout_ints
+    ints = _layout_ints(tuple(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                        cfg.engram_vocab_size, cfg.engram_compressed_vocab_size)
+    return tuple(sum(sum(row) for row in primes) for primes, _ in ints)
+
+
+def tiny_model(tokenizer: str = TOKENIZER_JSON, **overrides) -> fd.Config:
+    """The README's training model: 6 layers that cover every attention role, sized for a 2-core CPU.
+
+    Layers: 0 window, 1 window + Engram, 2 ratio-2 Full, 3 ratio-2 Reuse + Engram, 4 ratio-1 Full
+    (candidate source), 5 Reindex. No DSpark stages. Vocabulary, special ids and the Engram class
+    count come from the shipped tokenizer.
+    """
+    from functional_dsv41.engram import build_token_map
+    sp = special_ids(tokenizer)
+    n_cls = int(torch.as_tensor(build_token_map(tokenizer)).max()) + 1
+    base = dict(max_seq_len=256, vocab_size=sp["vocab_size"], image_token_id=sp["image"],
+                dspark_noise_token_id=sp["noise"], engram_pad_id=sp["pad"], engram_compressed_vocab_size=n_cls,
+                n_layers=6, n_mtp_layers=0, compress_ratios=(0, 0, 2, 2, 1, 1), kv_source_layers=(2, 4),
+                index_source_layers=(2, 4, 5), candidate_source_layer=4, engram_layer_ids=(1, 3),
+                dspark_target_layer_ids=(3, 4, 5), window_size=16, index_topk=8, candidate_block_size=4,
+                candidate_topk_blocks=4)
+    base.update(overrides)
+    probe = fd.Config.tiny(**{**base, "engram_num_embeddings": tuple(1 for _ in base["engram_layer_ids"])})
+    return probe.replace(engram_num_embeddings=engram_rows(probe))
+
+
+PRESETS: dict[str, tuple[Callable[..., fd.Config], dict]] = {
+    # name: (model config builder, RunConfig overrides)
+    "tiny": (tiny_model, {}),
+    "tiny-qat": (lambda tok: tiny_model(tok, dtype="fp8", expert_dtype="fp4", dim=128, moe_inter_dim=32),
+                 {"qat": True}),
+}
+
+
+def model_config(rc: RunConfig) -> fd.Config:
+    if rc.config in PRESETS:
+        return PRESETS[rc.config][0](rc.tokenizer)
+    if os.path.exists(rc.config):
+        return fd.Config.from_json(rc.config)
+    raise SystemExit(f"--config: {rc.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path")
+
+
+# ----------------------------------------------------------------------------- command line
+def parse_args(argv: list[str]) -> RunConfig:
+    """RunConfig from ``argv`` (module docstring); preset overrides apply before explicit flags."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    kv: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            print(__doc__)
+            print("fields: " + ", ".join(f"{n}={f.default!r}" for n, f in fields.items()))
+            raise SystemExit(0)
+        if not a.startswith("--"):
+            raise SystemExit(f"unexpected argument {a!r} (use --key=value)")
+        key, eq, val = a[2:].partition("=")
+        key = key.replace(".", "_").replace("-", "_")
+        if key not in fields:
+            raise SystemExit(f"unknown option --{key}; known: {', '.join(fields)}")
+        if not eq:
+            if fields[key].type in ("bool", bool) and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+                val = "true"
+            else:
+                i += 1
+                if i >= len(argv):
+                    raise SystemExit(f"--{key} needs a value")
+                val = argv[i]
+        kv[key] = val
+        i += 1
+    preset = kv.get("config", RunConfig.config)
+    merged = {**{k: str(v) for k, v in PRESETS.get(preset, (None, {}))[1].items()}, **kv}
+    out = {}
+    for k, v in merged.items():
+        t = fields[k].type
+        try:
+            if t in ("bool", bool):
+                if v.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(v)
+                out[k] = v.lower() in ("1", "true", "yes")
+            elif t in ("int", int):
+                out[k] = int(v)
+            elif t in ("float", float):
+                out[k] = float(v)
+            else:
+                out[k] = v
+        except ValueError:
+            raise SystemExit(f"--{k}: cannot read {v!r} as {t}") from None
+    return RunConfig(**out)
+
+
+# ----------------------------------------------------------------------------- helpers
+def init_train_params(cfg: fd.Config, rc: RunConfig, token_map: torch.Tensor):
+    """fp32 master params + frozen leaves in storage form (Engram tables fp8 + scale, token map)."""
+    master = fd.flatten_with_paths(fd.init_params(cfg, seed=rc.seed, dtype_master=torch.float32))
+    master["engram_token_map"] = token_map
+    pats = [p for p in rc.frozen.split(",") if p]
+    storage = ckpt_mod.to_storage(master, cfg)
+    import fnmatch
+    flat = {}
+    for k, v in storage.items():  # frozen entries (and their scales) in storage form, the rest as masters
+        base = k[: -len("scale")] + "weight" if k.endswith(".scale") else k
+        if any(fnmatch.fnmatchcase(base, p) or fnmatch.fnmatchcase(k, p) for p in pats):
+            flat[k] = v
+        elif k in master:
+            flat[k] = master[k]
+    return step_mod.split_params(fd.unflatten_from_paths(flat), pats)
+
+
+def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: int, mode: str) -> list[int]:
+    """Greedy continuation with the decode path: prefill the prompt, then one token per call."""
+    state = fd.init_state(cfg, batch_size=1, max_seq_len=min(cfg.max_seq_len, len(prompt_ids) + n))
+    out = fd.forward(params, {"input_ids": torch.tensor([prompt_ids])}, cfg=cfg, state=state, mode=mode)
+    new: list[int] = []
+    while len(new) < n:
+        nxt = int(out.logits[0, -1].argmax())
+        new.append(nxt)
+        if nxt == eos or len(prompt_ids) + len(new) >= state.max_seq_len:
+            break
+        out = fd.forward(params, {"input_ids": torch.tensor([[nxt]])}, cfg=cfg, state=out.state, mode=mode)
+    return new
+
+
+def _fmt(step: int, total: int, m: dict) -> str:
+    parts = " ".join(f"{k[5:]}={v:.4f}" for k, v in m.items() if k.startswith("loss/"))
+    return (f"step {step:>5}/{total} | {parts} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+            f"{m['tokens_per_s']:.0f} tok/s | {m['step_time']:.2f}s")
+
+
+def _trim_metrics(path: str, upto: int) -> None:
+    """Keep only metric lines with step <= upto (a resumed run recomputes the rest)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        keep = [ln for ln in fh if ln.strip() and json.loads(ln)["step"] <= upto]
+    with open(path, "w") as fh:
+        fh.writelines(keep)
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
+    """Run training per ``rc``. Returns {"status", "step", "metrics": last metrics, "out"}.
+
+    ``fault(step_no, trainable) -> trainable`` is a test hook applied before each step (e.g. to put a
+    NaN into a leaf); it is not reachable from the command line.
+    """
+    t_start = time.perf_counter()
+    if rc.threads > 0:
+        torch.set_num_threads(rc.threads)
+    cfg = model_config(rc)
+    os.makedirs(rc.out, exist_ok=True)
+    cfg.to_json(os.path.join(rc.out, "config.json"))
+    with open(os.path.join(rc.out, "run_config.json"), "w") as fh:
+        json.dump(dataclasses.asdict(rc), fh, indent=2)
+    sp = special_ids(rc.tokenizer)
+    if sp["vocab_size"] != cfg.vocab_size:
+        raise SystemExit(f"tokenizer has {sp['vocab_size']} ids but the model config has vocab_size {cfg.vocab_size}")
+    if rc.seq_len > cfg.max_seq_len:
+        raise SystemExit(f"--seq_len {rc.seq_len} > the model's max_seq_len {cfg.max_seq_len}")
+    from functional_dsv41.engram import build_token_map
+    token_map = torch.as_tensor(build_token_map(rc.tokenizer), dtype=torch.int64)
+
+    torch.manual_seed(rc.seed)
+    samples = list(data_mod.shipped_samples(rc.corpus, rc.tokenizer))
+    data = data_mod.PackedData(samples, row_len=rc.seq_len, batch_size=rc.batch_size, pad_id=sp["pad"],
+                               seed=rc.seed)
+    trainable, frozen = init_train_params(cfg, rc, token_map)
+    opt_state = optim.adamw_init(trainable)
+    ck = ckpt_mod.TrainCheckpointer(os.path.join(rc.out, "ckpt"), max_to_keep=rc.keep_last)
+    metrics_path = os.path.join(rc.out, "metrics.jsonl")
+    start = 0
+    if rc.resume and ck.latest_step() is not None:
+        r = ck.restore()
+        start = r["step"]
+        missing = sorted(set(trainable) - set(r["params"]))
+        if missing:
+            raise SystemExit(f"--resume: checkpoint lacks trainable params {missing[:5]}")
+        trainable = {k: r["params"][k] for k in trainable}
+        frozen = {k: r["params"].get(k, v) for k, v in frozen.items()}
+        opt_state = r["opt_state"]
+        data.set_state(r["data_state"])
+        if r["rng_state"] is not None:
+            torch.set_rng_state(r["rng_state"])
+        _trim_metrics(metrics_path, start)
+        print(f"resumed from {ck.directory}/{start} (data epoch {data.epoch}, row {data.offset})", flush=True)
+    elif not rc.resume:
+        if ck.latest_step() is not None:
+            raise SystemExit(f"{ck.directory} already holds checkpoints; pass --resume or use another --out")
+        open(metrics_path, "w").close()
+
+    n_tr = sum(v.numel() for v in trainable.values())
+    print(f"model {rc.config}: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; {n_tr / 1e6:.2f}M "
+          f"trainable params in {len(trainable)} tensors, {len(frozen)} frozen leaves; data "
+          f"{data.stats()['rows_per_epoch']} rows/epoch of {rc.seq_len}", flush=True)
+    mode = "qat" if rc.qat else rc.mode
+    fkw = step_mod.remat_forward_kwargs(fd.forward) if rc.remat else None
+    step_fn = step_mod.make_step(
+        cfg, frozen=frozen, dtypes=step_mod.compute_dtypes(cfg, trainable), forward=fd.forward, coefs=rc.coefs,
+        mode=mode, adamw=optim.AdamWConfig(rc.b1, rc.b2, 1e-8, rc.weight_decay), clip=rc.clip, pad_id=sp["pad"],
+        forward_kwargs=fkw, draft_forward=getattr(fd, "dspark_forward", None) if rc.loss_draft > 0 else None)
+
+    bar = None
+    if rc.progress == "on" or (rc.progress == "auto" and sys.stderr.isatty()):
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=rc.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            bar = None
+    log = bar.write if bar is not None else (lambda s: print(s, flush=True))
+    m: dict = {}
+    status = "ok"
+    with open(metrics_path, "a") as mf:
+        for s in range(start, rc.steps):
+            batch = data.next_batch()
+            if fault is not None:
+                trainable = fault(s, trainable)
+            lr = optim.lr_at(s, peak=rc.lr, warmup=rc.warmup, total=rc.steps, min_ratio=rc.min_lr_ratio)
+            try:
+                trainable, opt_state, m = step_fn(trainable, opt_state, batch, lr=lr, step_no=s + 1)
+            except step_mod.NonFiniteError as e:
+                ck.wait()
+                last = ck.latest_step()
+                msg = (f"STOPPED: {e}. No update was applied. Last good checkpoint: "
+                       f"{'none' if last is None else os.path.join(ck.directory, str(last))}")
+                log(msg)
+                print(msg, file=sys.stderr, flush=True)
+                status = "non_finite"
+                break
+            m = {"step": s + 1, **m, "epoch": data.epoch, "wall": time.perf_counter() - t_start}
+            mf.write(json.dumps(m) + "\n")
+            mf.flush()
+            if (s + 1) % rc.log_every == 0 or s == start:
+                log(_fmt(s + 1, rc.steps, m))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss/total']:.3f}")
+            if rc.ckpt_every > 0 and ((s + 1) % rc.ckpt_every == 0 or s + 1 == rc.steps):
+                ck.save(s + 1, params={**trainable, **{k: v for k, v in frozen.items()
+                                                       if isinstance(v, torch.Tensor)}},
+                        opt_state=opt_state, data_state=data.state(), rng_state=torch.get_rng_state(),
+                        extra={"config": rc.config})
+    if bar is not None:
+        bar.close()
+    ck.close()
+    result = {"status": status, "step": m.get("step", start), "metrics": m, "out": rc.out}
+    if status != "ok":
+        return result
+
+    params = step_mod.assemble(trainable, frozen, step_mod.compute_dtypes(cfg, trainable))
+    if rc.export:
+        exp = os.path.join(rc.out, "export")
+        flat = ckpt_mod.to_storage(fd.flatten_with_paths(step_mod.assemble(trainable, frozen)), cfg)
+        fd.save_params(fd.unflatten_from_paths(flat), exp, cfg)
+        cfg.to_json(os.path.join(exp, "config.json"))
+        shutil.copyfile(rc.tokenizer, os.path.join(exp, "tokenizer.json"))
+        print(f"exported params (release layout, storage dtypes) to {exp}", flush=True)
+    if rc.sample_tokens > 0:
+        tok = load_tokenizer(rc.tokenizer)
+        prompt = [sp["bos"]] + tok.encode(rc.sample_prompt).ids
+        with torch.no_grad():
+            new = greedy_sample(params, cfg, prompt, rc.sample_tokens, sp["eos"], "dequant")
+        text = tok.decode(prompt[1:] + new)
+        result["sample"] = text
+        print(f"sample (greedy, {len(new)} new tokens): {text}", flush=True)
+    print(f"done: {result['step']} steps in {time.perf_counter() - t_start:.1f}s", flush=True)
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    rc = parse_args(sys.argv[1:] if argv is None else argv)
+    res = train(rc)
+    return 0 if res["status"] == "ok" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
