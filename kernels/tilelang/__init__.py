@@ -1,0 +1,12 @@
+"""TileLang (Hopper) implementations behind ``functional_dsv41.kernels`` (one op per file, ``<op>_tl.py``).
+
+Exported names are the ops of ``kernels.OPS`` that have a TileLang implementation, with the
+signatures of ``kernels/reference.py``; ``kernels._tilelang_op`` finds them here. Ops not exported
+(``fp4_act_quant``, ``fp4_gemm``, ``hc_split_sinkhorn``: not yet written) fall back to torch under
+``impl="auto"``.
+"""
+from .act_quant_tl import act_quant
+from .fp8_gemm_tl import fp8_gemm
+from .sparse_attn_tl import sparse_attn
+
+__all__ = ["act_quant", "fp8_gemm", "sparse_attn"]

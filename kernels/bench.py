@@ -1,0 +1,184 @@
+"""Benchmark the TileLang kernels at the release shapes: ``python -m functional_dsv41.kernels.bench``.
+
+Prints, in one run: the machine's measured ceilings (bf16 matmul, device-to-device copy), then TFLOP/s
+and GB/s of each kernel and of the peers present in the image (torch._scaled_mm, SDPA over gathered
+KV, the torch reference). Times are medians of CUDA-event timings (triton.testing.do_bench).
+
+FLOP conventions (stated in the output): sparse attention forward 2*B*M*H*T*(D + D) (QK and PV over
+the T gathered slots, holes included); backward 2.5x that (dP, dq, dk, dv plus the recomputed QK);
+GEMM 2*M*N*K. GB/s counts the fewest bytes the op must move (inputs read once, outputs written once;
+gathered KV rows counted once per use for attention).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def bench(fn, warmup=25, rep=100):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # ms
+
+
+def row(name, ms, flops=None, nbytes=None, note=""):
+    tf = f"{flops / ms / 1e9:9.1f}" if flops else " " * 9
+    gb = f"{nbytes / ms / 1e6:9.1f}" if nbytes else " " * 9
+    print(f"{name:<48s} {ms:9.3f} {tf} {gb}  {note}", flush=True)
+    return {"name": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+            "gbps": nbytes / ms / 1e6 if nbytes else None, "note": note}
+
+
+def ceilings(results):
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    results.append(row("ceiling: bf16 matmul 8192^3 (torch)", bench(lambda: a @ b), 2 * n ** 3))
+    x = torch.empty(2 * 1024 ** 3 // 4, device="cuda", dtype=torch.float32).normal_()
+    y = torch.empty_like(x)
+    results.append(row("ceiling: device copy 2 GiB (read+write)", bench(lambda: y.copy_(x)), None, 2 * x.numel() * 4))
+    del a, b, x, y
+
+
+def attention(results, args):
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    B, M, H, D, n_comp = 1, args.m, 64, 512, 2048
+    N = M + n_comp
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, M, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    # release prefill indices: 128 window + 512 compressed (ratio 2)
+    i = torch.arange(M, device="cuda")[:, None]
+    w = i - 127 + torch.arange(128, device="cuda")[None]
+    w = torch.where(w >= 0, w, -1)
+    vis = ((i + 1) // 2).clamp(max=n_comp)
+    r = torch.rand(M, n_comp, device="cuda", generator=g).masked_fill(torch.arange(n_comp, device="cuda")[None] >= vis, -1)
+    top = r.topk(512, -1)
+    c = torch.where(top.values >= 0, top.indices + M, -1).sort(-1).values
+    idx = torch.cat([w, c], -1).int()[None].contiguous()
+    T = idx.shape[-1]
+    scale = D ** -0.5
+    fl = 2 * B * M * H * T * (D + D)
+    by_f = q.numel() * 2 * 2 + B * M * T * (D * 2 + 4)        # q, o, gathered kv rows + indices
+    print(f"-- sparse attention, release prefill: B={B} M={M} H={H} D={D} T={T} N={N}; "
+          f"holes {(idx < 0).float().mean().item():.1%}; FLOPs fwd 2*B*M*H*T*2D = {fl / 1e9:.1f} G, bwd 2.5x", flush=True)
+    o, lse = sa._fwd(q, kv, sink, idx, scale)
+    results.append(row("sparse_attn fwd  tilelang", bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f))
+    for cfg in args.attn_fwd_cfgs:                 # tile-configuration sweep of the forward kernel
+        try:
+            kf = sa.fwd_kernel(H, D, T, scale, **cfg)
+            results.append(row(f"  fwd kernel {json.dumps(cfg, separators=(',', ':'))}",
+                               bench(lambda: kf(q, kv, sink, idx)), fl, by_f))
+        except Exception as e:
+            print(f"  fwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    do = torch.randn_like(o)
+    by_b = q.numel() * 2 * 4 + B * M * T * (D * 2 + D * 4 + 4)      # q, o, do, dq + kv rows read, dkv rows added
+    results.append(row("sparse_attn bwd  tilelang (delta+bwd+dsink)",
+                       bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale)), 2.5 * fl, by_b))
+    delta = sa.delta_kernel(H, D)(o.view(B * M, H, D), do.view(B * M, H, D))
+    dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
+    kb = sa.bwd_kernel(H, D, T, scale)
+    results.append(row("  of which the main bwd kernel", bench(lambda: kb(q, kv, do, idx, lse, delta.view(B, M, H), dkv)),
+                       2.5 * fl, by_b))
+    for cfg in args.attn_bwd_cfgs:
+        try:
+            kb2 = sa.bwd_kernel(H, D, T, scale, **cfg)
+            results.append(row(f"  bwd kernel {json.dumps(cfg, separators=(',', ':'))}",
+                               bench(lambda: kb2(q, kv, do, idx, lse, delta.view(B, M, H), dkv)), 2.5 * fl, by_b))
+        except Exception as e:
+            print(f"  bwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    del dkv
+    # peers
+    results.append(row("sparse_attn fwd  torch reference", bench(lambda: reference.sparse_attn(q, kv, sink, idx, scale), 2, 5),
+                       fl, by_f))
+    kvg = kv[0, idx[0].clamp_min(0).long()]                            # [M, T, D] gathered once
+    mask = (idx[0] >= 0)[:, None, None, :]                             # [M, 1, 1, T]
+    qs = q[0][:, None]                                                 # [M, 1, H, D]: heads as the query axis
+    F = torch.nn.functional
+    results.append(row("peer: SDPA over pre-gathered KV (no sink), fwd",
+                       bench(lambda: F.scaled_dot_product_attention(qs, kvg[:, None], kvg[:, None], attn_mask=mask, scale=scale)),
+                       fl, by_f, "gather excluded; mask -> efficient/math kernel"))
+    qg = qs.detach().clone().requires_grad_(True)
+    kg = kvg[:, None].detach().clone().requires_grad_(True)
+    og = F.scaled_dot_product_attention(qg, kg, kg, attn_mask=mask, scale=scale)
+    dog = torch.randn_like(og)
+    results.append(row("peer: SDPA over pre-gathered KV (no sink), bwd",
+                       bench(lambda: torch.autograd.grad(og, (qg, kg), dog, retain_graph=True)), 2.5 * fl, by_b))
+    del kvg, qg, kg, og, dog
+
+
+def gemms(results, args):
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
+        print(f"-- fp8 GEMM (32-wide e8m0 blocks) M={M} N={N} K={K}: {2 * M * N * K / 1e9:.1f} GFLOP", flush=True)
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        a, a_s = Q.act_quant(x, 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
+        sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+        for cfg in args.gemm_cfgs:
+            k = fg.fp8_gemm_kernel(N, K, **cfg)
+            results.append(row(f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}",
+                               bench(lambda: k(a, sa, b, sb)), fl, by))
+        results.append(row("fp8_gemm end-to-end (scale conversion incl.)",
+                           bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl, by))
+        sa_r = torch.rand(M, 1, device="cuda") + 0.5
+        sb_r = torch.rand(1, N, device="cuda") + 0.5
+        bt = b.t()
+        results.append(row("peer: torch._scaled_mm rowwise scales",
+                           bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl, by))
+        xb, wb = x, torch.randn(N, K, device="cuda").bfloat16()
+        results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
+
+
+def quantizers(results, args):
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import act_quant_tl as aq
+    x = torch.randn(args.m, 5120, device="cuda").bfloat16()
+    by = x.numel() * 3 + x.numel() // 32
+    print(f"-- act_quant [{args.m}, 5120] bf16 -> e4m3 + e8m0/32", flush=True)
+    results.append(row("act_quant tilelang", bench(lambda: aq.act_quant(x)), None, by))
+    results.append(row("act_quant torch reference", bench(lambda: Q.act_quant(x)), None, by))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, default=4096, help="queries / GEMM rows (release prefill 4096)")
+    p.add_argument("--only", default="ceilings,attention,gemm,quant")
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    args.attn_fwd_cfgs = [dict(stages=1), dict(BI=32, stages=3), dict(BI=32, stages=4)]
+    args.attn_bwd_cfgs = [dict(BI=32, DS=1), dict(BI=64, DS=4)]
+    args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),
+                      dict(async_promote=True, stages=3)]
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    try:
+        import tilelang
+        print(f"tilelang {tilelang.__version__}")
+    except Exception as e:  # pragma: no cover
+        print(f"tilelang unavailable: {e}")
+    print(f"{'kernel':<48s} {'ms':>9s} {'TFLOP/s':>9s} {'GB/s':>9s}")
+    results = []
+    for part in args.only.split(","):
+        try:
+            {"ceilings": ceilings, "attention": attention, "gemm": gemms, "quant": quantizers}[part](results, args) \
+                if part != "ceilings" else ceilings(results)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            print(f"!! {part} failed: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

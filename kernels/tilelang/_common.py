@@ -1,0 +1,32 @@
+"""Shared bits of the TileLang kernels: compile target, pass configs, small helpers.
+
+Kernels are built lazily (first call) and cached per static configuration; shapes that vary between
+calls (batch, queries, kv rows, GEMM M) are dynamic symbols so one build serves every size.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import tilelang
+import tilelang.language as T  # noqa: F401  (re-exported for the kernel modules)
+
+LOG2E = 1.4426950408889634
+
+
+def target():
+    """``DSV41_TL_TARGET`` (a target string or JSON dict, e.g. '{"kind":"cuda","arch":"sm_90a"}' to
+    build on a machine without a GPU), else TileLang's auto-detection."""
+    t = os.environ.get("DSV41_TL_TARGET", "auto")
+    return json.loads(t) if t.startswith("{") else t
+
+
+PASS_CFG = {
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+}
+
+
+def compile_kernel(func, out_idx=None, pass_configs=None):
+    cfg = dict(PASS_CFG)
+    cfg.update(pass_configs or {})
+    return tilelang.compile(func, out_idx=out_idx, target=target(), pass_configs=cfg)

@@ -1,0 +1,70 @@
+"""FP8 activation quantization with 1 x 32 power-of-two (ue8m0) blocks (SPEC §10.1), TileLang.
+
+Bit-exact with ``quant.act_quant(x, 32, "ue8m0", e8m0)``: ``amax = max(|x|, 1e-4)``;
+``e = exponent(amax * fp32(1/448)) - 127 + (mantissa != 0)`` (the release's bit trick, on the integer
+bits, no log2); ``q = e4m3_RNE(clamp(x * 2^-e, -448, 448))`` (a multiplication by an exact power of
+two equals the division); the scale byte is ``e + 127``.
+"""
+import functools
+
+import torch
+import tilelang.language as T
+
+from functional_dsv41 import quant
+
+from ._common import compile_kernel
+
+BF16, F32, FP8 = "bfloat16", "float32", "float8_e4m3fn"
+
+
+@functools.lru_cache(maxsize=None)
+def act_quant_kernel(G: int, bs: int = 32, BR: int = 16, GB: int = 16, threads: int = 128):
+    """x viewed [R, G, bs] -> q [R, G, bs] e4m3, s [R, G] uint8 (e8m0 bytes)."""
+    R = T.dynamic("R")
+    GB = min(GB, G)
+    while G % GB:
+        GB //= 2
+    inv = 1.0 / 448.0
+
+    @T.prim_func
+    def act_quant(
+        X: T.Tensor([R, G, bs], BF16),
+        Q: T.Tensor([R, G, bs], FP8),
+        S: T.Tensor([R, G], "uint8"),
+    ):
+        with T.Kernel(T.ceildiv(R, BR), G // GB, threads=threads) as (bx, by):
+            x = T.alloc_fragment([BR, GB, bs], F32)
+            amax = T.alloc_fragment([BR, GB], F32)
+            e = T.alloc_fragment([BR, GB], "int32")
+            T.copy(X[bx * BR:(bx + 1) * BR, by * GB:(by + 1) * GB, :], x)
+            T.reduce_absmax(x, amax, dim=2)
+            for i, g in T.Parallel(BR, GB):
+                bits = T.reinterpret(T.max(amax[i, g], T.float32(1e-4)) * T.float32(inv), "int32")
+                e[i, g] = ((bits >> 23) & 255) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+            for i, g, k in T.Parallel(BR, GB, bs):
+                x[i, g, k] = T.clamp(x[i, g, k] * T.reinterpret((127 - e[i, g]) << 23, F32), -448.0, 448.0)
+            T.copy(x, Q[bx * BR:(bx + 1) * BR, by * GB:(by + 1) * GB, :])
+            for i, g in T.Parallel(BR, GB):
+                if bx * BR + i < R:
+                    S[bx * BR + i, by * GB + g] = T.Cast("uint8", e[i, g] + 127)
+
+    return compile_kernel(act_quant, out_idx=[1, 2])
+
+
+def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = "ue8m0",
+              scale_dtype: torch.dtype = quant.E8M0):
+    """Same contract as ``quant.act_quant`` for the release's call (bf16, ue8m0, e8m0 or fp32 scales);
+    other configurations go to the torch implementation."""
+    if x.dtype != torch.bfloat16 or scale_fmt is None or scale_dtype not in (quant.E8M0, torch.float32):
+        return quant.act_quant(x, block_size, scale_fmt, scale_dtype)
+    N = x.shape[-1]
+    if N % block_size:
+        raise ValueError(f"last dim {N} is not a multiple of the {block_size}-wide block")
+    G = N // block_size
+    x3 = x.reshape(-1, G, block_size).contiguous()
+    q, s = act_quant_kernel(G, block_size)(x3)
+    q = q.reshape(x.shape)
+    s = s.reshape(*x.shape[:-1], G).view(quant.E8M0)
+    if scale_dtype == torch.float32:
+        s = quant.e8m0_to_float(s)
+    return q, s
