@@ -1,0 +1,276 @@
+"""Text generation: ``fd.generate`` (plain or DSpark-speculative) and the ``python -m`` CLI (SPEC §13).
+
+Batches of prompts of different lengths share ONE decode position (``DecodeState.pos``), so, as
+the reference generate.py does, the batch is right-padded, prefilled up to the SHORTEST prompt, then
+advanced one position per step; a row still inside its prompt takes its prompt token instead of the
+sample. Every row therefore sees exactly the tokens it would see alone, and (up to the rounding of
+batched GEMMs) gets the same tokens. Speculative decoding (``speculative=True``) advances by the
+accepted length of a drafted block instead (functional_dsv41/speculative.py); prompt tokens inside
+the block are "drafts" accepted by fiat; the accepted length is the minimum over unfinished rows.
+
+Host synchronisation: one per step for the stop check (and, speculative, the accepted length);
+sampling uses a seeded ``torch.Generator`` on the tokens' device. Outputs exclude the prompt and stop
+BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row stopped.
+
+    python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
+        [--temperature T] [--top-p P] [--speculative] [--seed S]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .config import Config
+from .dspark import dspark_draft, dspark_prefill, probs, sample_logits
+from .model import forward
+from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
+from .state import init_state
+
+
+class GenerateResult(list):
+    """A list (one per prompt) of generated token-id lists, plus ``stats``: a dict with ``new_tokens``,
+    ``stop`` (per row: "eos" / "length"), ``main_forwards`` (verify/decode forwards, prefill excluded),
+    ``reruns`` (speculative rollbacks that re-ran accepted tokens), ``tokens_per_forward`` (speculative:
+    mean tokens committed per verify forward), ``seconds``."""
+    stats: dict
+
+
+def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Optional[int]):
+    if isinstance(prompts, torch.Tensor):
+        prompts = [prompts] if prompts.dim() == 1 else list(prompts)
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("generate: prompts must be a non-empty list of token-id sequences")
+    out = []
+    for i, p in enumerate(prompts):
+        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (a prompt needs at least one token, e.g. BOS)")
+        if not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in p):
+            bad = next(t for t in p if not (isinstance(t, int) and 0 <= t < cfg.vocab_size))
+            raise ValueError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {cfg.vocab_size})")
+        out.append(p)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    total = max(len(p) for p in out) + max_new_tokens
+    if max_seq_len is not None and total > max_seq_len:
+        raise ValueError(f"generate: the longest prompt ({max(len(p) for p in out)}) + max_new_tokens "
+                         f"({max_new_tokens}) = {total} runs past max_seq_len {max_seq_len}")
+    return out, total
+
+
+def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, eos_id: Optional[int] = None, seed: int = 0, speculative: bool = False,
+             max_seq_len: Optional[int] = None, stream: Optional[Callable[[list], None]] = None,
+             mode: str = "reference", impl: Optional[str] = None) -> GenerateResult:
+    """Generate up to ``max_new_tokens`` tokens after each prompt.
+
+    prompts: list of token-id lists (or 1-D tensors / a [b, s] tensor); temperature 0 = greedy, else
+    sampling from softmax(logits / T) restricted to the top-p nucleus (``dspark.probs``) with a
+    ``torch.Generator`` seeded by ``seed``; eos_id: a row stops when it samples it (not included);
+    speculative: DSpark draft + one verify forward per step (needs ``cfg.n_mtp_layers`` and ``params["mtp"]``),
+    greedy output identical to plain greedy, sampling distribution unchanged; max_seq_len: state
+    capacity (default: longest prompt + max_new_tokens); stream: called after every step with a list
+    (one per row) of the token ids committed in that step. Returns a ``GenerateResult``.
+    """
+    prompts, total = _prep_prompts(prompts, cfg, max_new_tokens, max_seq_len)
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if cfg.engram_layer_ids and "engram_token_map" not in params:
+        raise ValueError("generate: the config has Engram layers but params lack 'engram_token_map' "
+                         "(fd.load_params builds it from the checkpoint's tokenizer.json)")
+    if speculative and (cfg.n_mtp_layers < 1 or len(params.get("mtp", ())) != cfg.n_mtp_layers):
+        raise ValueError("generate: speculative=True needs DSpark stages (cfg.n_mtp_layers and params['mtp'])")
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"generate: eos_id {eos_id} is not a token id")
+    dev = params["embed"]["weight"].device
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    in_prompt = torch.arange(total, device=dev)[None] < lens[:, None]             # [b, total]
+    g = torch.Generator(device=dev).manual_seed(int(seed))
+    state = init_state(cfg, b, max_seq_len or total, device=dev)
+    kw = dict(mode=mode, impl=impl)
+    t0 = time.perf_counter()
+    run = _speculative if speculative else _plain
+    stats = run(params, cfg, state, tokens, in_prompt, lens, total, max_new_tokens, temperature, top_p,
+                eos_id, g, stream, kw)
+    res = GenerateResult()
+    toks, n_out = tokens.tolist(), stats.pop("n_out").tolist()
+    for i in range(b):
+        res.append(toks[i][len(prompts[i]):len(prompts[i]) + n_out[i]])
+    stats["seconds"] = time.perf_counter() - t0
+    stats["new_tokens"] = [len(r) for r in res]
+    res.stats = stats
+    return res
+
+
+def _commit(tokens, in_prompt, lens, pos, new, done, n_out, eos_id, max_new):
+    """Write the token of position ``pos`` for every row ([b] ``new``, prompt tokens win) and update the
+    stop flags. Returns (done, n_out, written [b] tokens, emitted [b] bool)."""
+    forced = in_prompt[:, pos]
+    tok = torch.where(forced, tokens[:, pos], new)
+    emitted = ~forced & ~done
+    hit_eos = emitted & (tok == eos_id) if eos_id is not None else torch.zeros_like(done)
+    tokens[:, pos] = tok
+    n_out = n_out + (emitted & ~hit_eos).long()
+    done = done | hit_eos | (emitted & (pos + 1 - lens >= max_new))
+    return done, n_out, tok, emitted & ~hit_eos
+
+
+def _plain(params, cfg, state, tokens, in_prompt, lens, total, max_new, T, top_p, eos_id, g, stream, kw):
+    b = tokens.shape[0]
+    pos = int(lens.min())
+    out = forward(params, {"input_ids": tokens[:, :pos]}, cfg=cfg, state=state, **kw)
+    done = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+    n_out = torch.zeros(b, dtype=torch.long, device=tokens.device)
+    n_fwd = 0
+    while True:
+        nxt = sample_logits(out.logits[:, -1], T, top_p, g)
+        done, n_out, tok, emitted = _commit(tokens, in_prompt, lens, pos, nxt, done, n_out, eos_id, max_new)
+        if stream is not None:
+            stream([[t] if e else [] for t, e in zip(tok.tolist(), emitted.tolist())])
+        if pos + 1 >= total or bool(done.all()):                       # the one host sync per step
+            break
+        out = forward(params, {"input_ids": tok[:, None]}, cfg=cfg, state=out.state, validate=False, **kw)
+        n_fwd += 1
+        pos += 1
+    return {"n_out": n_out, "stop": _stops(done, n_out, max_new), "main_forwards": n_fwd}
+
+
+def _stops(done, n_out, max_new):
+    return ["length" if n >= max_new or not d else "eos" for d, n in zip(done.tolist(), n_out.tolist())]
+
+
+def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T, top_p, eos_id, g, stream, kw):
+    """Draft B tokens, verify [last, d_1..d_B] in one forward, commit the accepted prefix + 1 token."""
+    b, dev = tokens.shape[0], tokens.device
+    B = cfg.dspark_block_size
+    q = int(lens.min())                                                # position of `last`
+    out = forward(params, {"input_ids": tokens[:, :q]}, cfg=cfg, state=state, **kw)
+    state = dspark_prefill(params, out.main_hidden, cfg=cfg, state=out.state, mode=kw["mode"])
+    mh_last = out.main_hidden[:, -1:]
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    n_out = torch.zeros(b, dtype=torch.long, device=dev)
+    done, n_out, last, emitted = _commit(tokens, in_prompt, lens, q, sample_logits(out.logits[:, -1], T, top_p, g),
+                                         done, n_out, eos_id, max_new)
+    if stream is not None:
+        stream([[t] if e else [] for t, e in zip(last.tolist(), emitted.tolist())])
+    n_fwd = reruns = committed = 0
+    while q + 1 < total and not bool(done.all()):
+        Be = min(B, total - 1 - q)                                     # block positions q+1 .. q+Be
+        d = dspark_draft(params, last, mh_last, cfg=cfg, state=state, temperature=T, top_p=top_p, generator=g,
+                         mode=kw["mode"], impl=kw["impl"])
+        forced = in_prompt[:, q + 1:q + 1 + Be]
+        blk = torch.where(forced, tokens[:, q + 1:q + 1 + Be], d.out_ids[:, 1:1 + Be])
+        chunk = torch.cat([last[:, None], blk], 1)
+        v = forward(params, {"input_ids": chunk}, cfg=cfg, state=d.state, validate=False, **kw)
+        n_fwd += 1
+        if T <= 0:
+            ok = accept_greedy(v.logits, blk, forced)
+        else:
+            p_main = probs(v.logits, T, top_p)                         # [b, Be+1, V]
+            q_draft = probs(d.logits[:, :Be], T, top_p)
+            ok = accept_sampling(p_main[:, :Be], q_draft, blk, forced, g)
+        a = leading(ok)
+        n = int(torch.where(done, Be, a).min())                        # accepted drafts, common to all rows
+        # the token at position q+n+1: forced prompt token / accepted draft / main-model correction
+        if T <= 0:
+            fix = v.logits[:, n].argmax(-1)
+        else:
+            dist = p_main[:, n] if n == Be else residual(p_main[:, n], q_draft[:, n])
+            fix = torch.multinomial(dist, 1, generator=g)[:, 0]
+        if n < Be:
+            fix = torch.where(a > n, blk[:, n], fix)
+        step_toks = [[] for _ in range(b)]
+        for i in range(n):
+            done, n_out, tok, em = _commit(tokens, in_prompt, lens, q + 1 + i, blk[:, i], done, n_out, eos_id, max_new)
+            _note(step_toks, tok, em, stream)
+        new_pos = q + n + 1
+        if new_pos < total:
+            done, n_out, last, em = _commit(tokens, in_prompt, lens, new_pos, fix, done, n_out, eos_id, max_new)
+            _note(step_toks, last, em, stream)
+        if stream is not None:
+            stream(step_toks)
+        committed += n + 1
+        state, rr = rollback(params, d.state, v.state, chunk[:, :n + 1], cfg=cfg, forward_kw=kw)
+        reruns += rr
+        state = dspark_prefill(params, v.main_hidden[:, :n + 1], cfg=cfg, state=state, mode=kw["mode"])
+        mh_last = v.main_hidden[:, n:n + 1]
+        q = new_pos
+    return {"n_out": n_out, "stop": _stops(done, n_out, max_new), "main_forwards": n_fwd, "reruns": reruns,
+            "tokens_per_forward": committed / max(n_fwd, 1)}
+
+
+def _note(step_toks, tok, emitted, stream):
+    if stream is None:
+        return
+    for r, (t, e) in enumerate(zip(tok.tolist(), emitted.tolist())):
+        if e:
+            step_toks[r].append(t)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI: load a released-layout folder, tokenize ``--prompt``, stream the decoded text, print tokens/s."""
+    ap = argparse.ArgumentParser(prog="python -m functional_dsv41.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", required=True, help="folder with config.json, *.safetensors, tokenizer.json")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative", action="store_true", help="DSpark draft + one verify forward per step")
+    ap.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (id 0)")
+    args = ap.parse_args(argv)
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from .params import load_params
+    ck = Path(args.ckpt)
+    if not (ck / "config.json").is_file() or not (ck / "tokenizer.json").is_file():
+        print(f"error: {ck} needs config.json and tokenizer.json", file=sys.stderr)
+        return 2
+    cfg = Config.from_json(ck / "config.json")
+    params = load_params(ck, cfg)
+    tok = Tokenizer.from_file(str(ck / "tokenizer.json"))
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
+    eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+    if not args.no_bos and bos is not None:
+        ids = [bos] + ids
+    if not ids:
+        print("error: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    sofar: list[int] = []
+    shown = [""]
+
+    def stream(step):
+        sofar.extend(step[0])
+        text = tok.decode(sofar, skip_special_tokens=False)
+        if not text.endswith("\ufffd"):                          # wait for a whole UTF-8 character
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+    sys.stdout.write(args.prompt)
+    res = generate(params, [ids], cfg=cfg, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_p=args.top_p, eos_id=eos, seed=args.seed, speculative=args.speculative,
+                   max_seq_len=len(ids) + args.max_new_tokens, stream=stream)
+    st = res.stats
+    n = st["new_tokens"][0]
+    line = f"\n[{n} tokens in {st['seconds']:.2f} s: {n / max(st['seconds'], 1e-9):.2f} tokens/s, stop: {st['stop'][0]}"
+    if args.speculative:
+        line += (f"; {st['tokens_per_forward']:.2f} tokens per verify forward, "
+                 f"{st['main_forwards']} verify forwards, {st['reruns']} rollback re-runs")
+    print(line + "]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
