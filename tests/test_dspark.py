@@ -1,0 +1,135 @@
+"""DSpark draft stages (SPEC §7) against the golden ``forward_spec`` calls of tiny-bf16 / tiny-fp8.
+
+The golden run (fixtures/*/README.md): prefill P tokens, ``forward_spec(.., 0)`` seeds the stage rings
+('spec_prefill.*'); then per decode step k the main model consumes position P+k and
+``forward_spec(decode.{k}.out_ids, decode.{k}.main_hidden, P+k)`` drafts ('decode.{k}.spec.*').
+Our rings come from our own prefill/decode states; the draft input (token, main hidden) is the
+golden one, so every stage is also checked teacher-forced. At one CPU thread the comparison is
+bit-exact; the asserts allow fp32-ulp GEMM differences (other thread counts reorder sums).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_dsv41 as fd
+from functional_dsv41 import dspark
+from functional_dsv41.state import init_state
+
+from conftest import cosine_diff, fixture_dir, golden
+
+INT_KEYS = ("sparse_idx", "gate_idx")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _load(name):
+    d = fixture_dir(name)
+    cfg = fd.Config.from_json(d / "config.json")
+    return cfg, fd.load_params(d, cfg), golden(name)
+
+
+@pytest.mark.parametrize("name", ["tiny-bf16", "tiny-fp8"])
+def test_dspark_golden(name):
+    cfg, params, g = _load(name)
+    P = int(g["prefill_len"])
+    out = fd.forward(params, {"input_ids": g["input_ids"][:, :P]}, cfg=cfg, state=init_state(cfg, 2, cfg.max_seq_len))
+    st = dspark.dspark_prefill(params, out.main_hidden, cfg=cfg, state=out.state)
+    for s in range(cfg.n_mtp_layers):
+        assert torch.equal(st.dspark[s].window_kv, g[f"spec_prefill.stage.{s}.window_kv_cache"]), s
+    n_dec = sum(1 for k in g if k.startswith("decode.") and k.endswith(".spec.out_ids"))
+    assert n_dec == 8
+    worst = {"logits": 0.0, "confidence": 0.0, "cos": 0.0}
+    for k in range(n_dec):
+        o = fd.forward(params, {"input_ids": g["input_ids"][:, P + k:P + k + 1]}, cfg=cfg, state=st)
+        assert torch.equal(o.main_hidden, g[f"decode.{k}.main_hidden"])
+        dbg = {}
+        d = dspark.dspark_draft(params, g[f"decode.{k}.out_ids"], g[f"decode.{k}.main_hidden"], cfg=cfg,
+                                state=o.state, debug=dbg)
+        st = d.state
+        for key, v in dbg.items():
+            gk = f"decode.{k}.spec.{key}"
+            if gk not in g:
+                continue
+            ref = g[gk]
+            got = v.reshape(ref.shape).to(ref.dtype)
+            if key.rsplit(".", 1)[1] in INT_KEYS:
+                assert torch.equal(got, ref), gk
+            else:
+                c = cosine_diff(got.float(), ref.float())
+                worst["cos"] = max(worst["cos"], c)
+                assert c < 1e-6, (gk, c)
+        assert torch.equal(d.out_ids, g[f"decode.{k}.spec.out_ids"]), k
+        ref = g[f"decode.{k}.spec.logits"]
+        err = float((d.logits - ref).abs().max())
+        worst["logits"] = max(worst["logits"], err)
+        assert err <= 1e-5 * float(ref.abs().max()), (k, err)
+        err = float((d.confidence - g[f"decode.{k}.spec.confidence"]).abs().max())
+        worst["confidence"] = max(worst["confidence"], err)
+        assert err < 1e-5, (k, err)
+    print(name, "worst diffs vs golden:", worst)
+
+
+def test_dspark_forward_matches_draft():
+    """The stateless teacher-forced draft equals the decode draft when the true continuation is the
+    drafted one (same rows, same order; only GEMM shapes differ)."""
+    cfg, params, g = _load("tiny-bf16")
+    P, k = int(g["prefill_len"]), 2
+    drafted = g[f"decode.{k}.spec.out_ids"]                        # [given token at P+k+1, 3 drafts]
+    seq = torch.cat([g["input_ids"][:, :P + k + 1], drafted], 1)
+    mh = fd.forward(params, {"input_ids": seq}, cfg=cfg).main_hidden
+    r = dspark.dspark_forward(params, mh, seq, cfg=cfg, anchors=torch.tensor([3, P + k, seq.shape[1] - 2]))
+    B = cfg.dspark_block_size
+    assert r.logits.shape == (2, 3, B, cfg.vocab_size) and r.confidence.shape == (2, 3, B)
+    assert torch.equal(r.targets[:, 1], drafted[:, 1:])
+    assert torch.equal(r.targets[:, 0], seq[:, 5:5 + B])
+    assert (r.targets[:, 2] == -1).all()                          # anchor S-2: every target lies past the row
+    ref = g[f"decode.{k}.spec.logits"]
+    assert float((r.logits[:, 1] - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert float((r.confidence[:, 1] - g[f"decode.{k}.spec.confidence"]).abs().max()) < 1e-5
+
+
+def test_dspark_forward_packed_and_differentiable():
+    cfg = fd.Config.tiny()
+    params = fd.init_params(cfg, seed=1)
+    ids = torch.randint(0, 500, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    mh = torch.randn(1, 12, 3 * cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    r = dspark.dspark_forward(params, mh, ids, cfg=cfg, positions=pos, qdq=False)
+    # anchor 3: p+1 = 4 is in the sample, targets 5.. are not; anchor 4: p+1 starts a new sample
+    assert (r.targets[0, 3] == -1).all() and (r.targets[0, 4] == -1).all()
+    assert torch.equal(r.targets[0, 5], ids[0, 7:10])
+    # a sample's drafts do not see the other sample: change sample 1's hidden, sample 2's logits stay
+    mh2 = mh.detach().clone()
+    mh2[:, :5] = torch.randn(1, 5, 3 * cfg.dim, dtype=torch.bfloat16)
+    r2 = dspark.dspark_forward(params, mh2, ids, cfg=cfg, positions=pos, qdq=False)
+    assert torch.equal(r2.logits[0, 5:], r.logits[0, 5:]) and not torch.equal(r2.logits[0, :4], r.logits[0, :4])
+    loss = torch.nn.functional.cross_entropy(r.logits[0, 5:].reshape(-1, cfg.vocab_size),
+                                             r.targets[0, 5:].reshape(-1), ignore_index=-1)
+    loss.backward()
+    assert mh.grad is not None and mh.grad[0, 5:].abs().sum() > 0 and mh.grad[0, :5].abs().sum() == 0
+
+
+def test_dspark_errors_leave_state():
+    cfg, params, g = _load("tiny-bf16")
+    st = init_state(cfg, 2, 32)
+    mh = torch.randn(2, 4, 3 * cfg.dim).bfloat16()
+    with pytest.raises(ValueError, match="position"):               # 4 rows but the state is at 0
+        dspark.dspark_prefill(params, mh, cfg=cfg, state=st)
+    st = st.replace(pos=4)
+    with pytest.raises(ValueError, match="rows"):
+        dspark.dspark_prefill(params, mh[:1], cfg=cfg, state=st)
+    with pytest.raises(ValueError, match="another config"):
+        dspark.dspark_prefill(params, mh, cfg=cfg.replace(window_size=16), state=st)
+    with pytest.raises(ValueError, match="main_hidden"):
+        dspark.dspark_draft(params, torch.tensor([1, 2]), mh[..., :10], cfg=cfg, state=st)
+    before = st.dspark[0].window_kv.clone()
+    new = dspark.dspark_prefill(params, mh, cfg=cfg, state=st)
+    assert torch.equal(st.dspark[0].window_kv, before)              # the input state is not written
+    assert not torch.equal(new.dspark[0].window_kv, before)
