@@ -50,11 +50,11 @@ def main_x(params: dict, main_hidden: torch.Tensor, *, cfg: Config, mode: str = 
 
 
 def main_kv(p_attn: dict, mx: torch.Tensor, positions: torch.Tensor, *, cfg: Config, layer_id: int,
-            mode: str = "reference") -> torch.Tensor:
+            mode: str = "reference", qdq: bool = True) -> torch.Tensor:
     """A stage's KV of main positions: fp8_QDQ(RoPE(RMSNorm_kv(W_kv main_x))). mx [b, s, dim],
     positions int64 [s] or [b, s] -> [b, s, D] bf16 (SPEC §7 "Prefill")."""
     kv = rms_norm(linear(mx, p_attn["wkv"], mode=mode), p_attn["kv_norm"]["weight"], cfg.norm_eps)
-    return fp8_qdq(apply_rope(kv, rope_angles(cfg, layer_id, positions)))
+    return fp8_qdq(apply_rope(kv, rope_angles(cfg, layer_id, positions)), qdq)
 
 
 def _write_ring(ring: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
@@ -110,7 +110,7 @@ def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, stat
 
 
 def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.Tensor, rot: torch.Tensor, *,
-                     cfg: Config, mode: str, impl, debug: Optional[dict]):
+                     cfg: Config, mode: str, impl, qdq: bool, debug: Optional[dict]):
     """Draft attention (SPEC §7): x [b, M, dim] normed draft inputs; kv_all [b, N, D] the stage's main-KV
     rows, to which the M draft rows' own kv (fp8 QDQ) are appended; idx [b, M, T] indexes
     [main rows ; draft rows] (-1 = none); rot [b, M, rd/2] the queries' rotations -> [b, M, dim]."""
@@ -120,7 +120,7 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     qr = rms_norm(linear(x, p["wq_a"], mode=mode), p["q_norm"]["weight"], eps)
     q = apply_rope(linear(qr, p["wq_b"], mode=mode).view(b, M, H, D), rot[:, :, None, :])
     kv = rms_norm(linear(x, p["wkv"], mode=mode), p["kv_norm"]["weight"], eps)
-    kv = fp8_qdq(apply_rope(kv, rot))
+    kv = fp8_qdq(apply_rope(kv, rot), qdq)
     kv_all = torch.cat([kv_all, kv], 1)
     o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
     if debug is not None:
@@ -133,7 +133,7 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
 
 
 def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,
-            cfg: Config, mode: str, impl, dispatch: str, debug: Optional[dict]):
+            cfg: Config, mode: str, impl, dispatch: str, qdq: bool = True, debug: Optional[dict] = None):
     """Run all draft stages. ids [b, M] draft tokens; main_rows[s] [b, N, D] stage s's main KV rows;
     idx [b, M, T] into [main rows ; the M block rows]; qpos [b, M] positions -> x = hc_pre(h, pre) [b, M, dim]."""
     b, M = ids.shape
@@ -148,7 +148,8 @@ def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor,
         res = h
         a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
         x = rms_norm(hc_pre(h, pre), p["attn_norm"]["weight"], eps)
-        x = _stage_attention(p["attn"], x, main_rows[si], idx, rot, cfg=cfg, mode=mode, impl=impl, debug=d)
+        x = _stage_attention(p["attn"], x, main_rows[si], idx, rot, cfg=cfg, mode=mode, impl=impl, qdq=qdq,
+                             debug=d)
         h = hc_post(x, res, a_post, a_comb)
         res = h
         f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
@@ -275,7 +276,7 @@ class DSparkOutput:
 
 def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Tensor, *, cfg: Config,
                    positions: Optional[torch.Tensor] = None, anchors: Optional[torch.Tensor] = None,
-                   mode: str = "reference", impl=None, dispatch: str = "sorted",
+                   mode: str = "reference", impl=None, dispatch: str = "sorted", qdq: bool = True,
                    debug: Optional[dict] = None) -> DSparkOutput:
     """Stateless, teacher-forced draft over a whole (plain or packed) sequence: the draft loss's forward.
 
@@ -288,6 +289,7 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     order (so the two agree bit for bit). The Markov bias of slot i is teacher-forced: it comes from the
     TRUE token at p+1+i (decode uses the sampled one). Targets: the token at p+2+i.
     Returns ``DSparkOutput(logits [b, n, B, V], confidence [b, n, B], targets [b, n, B])``.
+    ``mode``/``dispatch``/``qdq`` as in ``forward`` (qdq=False: no fp8 KV QDQ, the smooth model).
     Cost: n*B draft queries; pass a subset of anchors for long rows (logits are n*B*V fp32).
     """
     _check_hidden(main_hidden, cfg, "dspark_forward")
@@ -329,10 +331,10 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     own = S + torch.arange(n, device=dev)[:, None] * B + torch.arange(B, device=dev)   # [n, B] rows of a's block
     idx = torch.cat([win[:, :, None, :].expand(b, n, B, W), own[:, None, :].expand(b, n, B, B)], -1).reshape(b, n * B, W + B)
     mx = main_x(params, main_hidden, cfg=cfg, mode=mode)
-    rows = [main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode)
+    rows = [main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode, qdq=qdq)
             for si, L in enumerate(cfg.dspark_layer_ids)]
     x = _stages(params, blk.reshape(b, n * B), rows, idx, qpos, cfg=cfg, mode=mode, impl=impl,
-                dispatch=dispatch, debug=debug).view(b, n, B, cfg.dim)
+                dispatch=dispatch, qdq=qdq, debug=debug).view(b, n, B, cfg.dim)
     e, bias = _markov(params, tok[..., :B])
     logits = _head(params, x, cfg) + bias
     return DSparkOutput(logits, _confidence(params, x, e), targets)
