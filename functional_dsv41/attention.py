@@ -32,8 +32,10 @@ from .rope import apply_rope, rope_angles
 from .state import AttnCache, SharedAttention
 
 
-def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
+def fp8_qdq(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     """1x32 fp8 QDQ with ue8m0 scales (``act_quant(..., inplace=True)``), straight-through gradient."""
+    if not enabled:
+        return x
     with torch.no_grad():
         y = quant.act_quant_dequant(x.detach())
     return ste(x, y)
@@ -66,10 +68,13 @@ def roll_ring(ring: torch.Tensor | None, rows: torch.Tensor, chunk: Chunk, W: in
 
 
 def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache: AttnCache | None,
-              shared: SharedAttention, mode: str = "reference", impl: str | None = None, debug: dict | None = None):
+              shared: SharedAttention, mode: str = "reference", impl: str | None = None, qdq: bool = True,
+              debug: dict | None = None):
     """x [b, s, dim] bf16 (normed) -> (out [b, s, dim], new cache or None, shared, topk info).
 
     p = params["layers"][L]["attn"]; ``cache`` is the layer's AttnCache (None: no state, e.g. training).
+    ``qdq=False`` skips the activation quantisation (fp8 KV, fp4 compressed KV and indexer q/k): the
+    smooth model used for gradient checks, not the release's numerics.
     """
     L = layer_id
     b, s, _ = x.shape
@@ -81,7 +86,7 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     q = linear(qr, p["wq_b"], mode=mode).view(b, s, H, D)
     q = apply_rope(q, rot[:, :, None, :])
     kv = rms_norm(linear(x, p["wkv"], mode=mode), p["kv_norm"]["weight"], eps)
-    kv = fp8_qdq(apply_rope(kv, rot))
+    kv = fp8_qdq(apply_rope(kv, rot), qdq)
 
     has_past = cache is not None and chunk.start > 0
     if has_past:
@@ -101,10 +106,11 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     if src is not None:
         if L == src:
             shared, new_cache = _compress_and_publish(p, x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache,
-                                                      new_cache=new_cache, shared=shared, mode=mode)
+                                                      new_cache=new_cache, shared=shared, mode=mode, qdq=qdq)
         comp_kv, keys, visible = shared.kv[src], shared.index_k[src], shared.visible[src]
         if L in cfg.index_source_layers:
-            score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode)
+            score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode,
+                                 qdq=qdq)
             if L == cfg.candidate_source_layer:
                 shared = shared.replace(candidates=candidate_mask(score, visible, cfg=cfg))
                 if debug is not None:
@@ -133,14 +139,14 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     return out, new_cache, shared, topk
 
 
-def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, shared, mode):
+def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, shared, mode, qdq=True):
     """Full layer: compress new groups, index keys, RoPE + fp4 QDQ, append to history, publish."""
     L = layer_id
     r = cfg.compress_ratio(L)
     ent, (part_kv, part_s) = compress(p["compressor"], x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache, mode=mode)
-    keys_new = index_keys(p["indexer"], ent.latent, ent.rope_pos, cfg=cfg, layer_id=L)
+    keys_new = index_keys(p["indexer"], ent.latent, ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)
     kv_new = apply_rope(ent.latent, rope_angles(cfg, L, ent.rope_pos))
-    kv_new = fp4_qdq(kv_new, 16, quant.FP8)
+    kv_new = fp4_qdq(kv_new, 16, quant.FP8, qdq)
     end, seg = ent.end, ent.seg
     if cache is not None:
         n_prev = chunk.start // r

@@ -85,7 +85,10 @@ def compress(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chu
     m = kv.shape[1]
     ar = torch.arange(m, device=x.device).expand(b, m)
     is_end = (pos % r) == r - 1
-    n = int(is_end.sum(1).max()) if m else 0
+    if chunk.packed:  # entries per row depend on where samples start
+        n = int(is_end.sum(1).max()) if m else 0
+    else:             # static count (keeps the function traceable under torch.func.vmap)
+        n = (chunk.start + s) // r - (chunk.start - n_part) // r
     ends = torch.where(is_end, ar, BIG).sort(1).values[:, :n]                  # [b, n] index into the m tokens
     valid = ends < BIG
     ends_c = torch.where(valid, ends, r - 1)

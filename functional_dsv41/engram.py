@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from functional_dsv41 import quant
+from functional_dsv41 import invariant, quant
 from functional_dsv41.linear import linear
 from functional_dsv41.pytree import register_carrier
 
@@ -328,7 +328,7 @@ def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
     dot = (h32 * qk_NM * key_BSNM).sum(-1)                    # norms as scalars AFTER the sum
     dot = dot * torch.rsqrt(h32.square().mean(-1) + eps) * torch.rsqrt(key_BSNM.square().mean(-1) + eps)
     dot = dot * M ** -0.5
-    g_BSN = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
+    g_BSN = invariant.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     if image_mask is not None:
         g_BSN = torch.where(image_mask[..., None], 0.0, g_BSN)
     return (h32 + g_BSN[..., None] * value_BSM[:, :, None, :].float()).to(h.dtype)

@@ -11,10 +11,10 @@ the ``pre`` the PREVIOUS sublayer computed.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels
 from .config import Config
+from .invariant import linear_rows
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, cfg: Config,
@@ -25,14 +25,24 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     """
     v = h.flatten(-2).float()
     r = torch.rsqrt(v.square().mean(-1, keepdim=True) + cfg.norm_eps)
-    m = F.linear(v, fn.float()) * r
+    m = linear_rows(v, fn.float()) * r
     return kernels.hc_split_sinkhorn(m, scale.float(), base.float(), cfg.hc_mult, cfg.hc_sinkhorn_iters,
                                      cfg.hc_eps, impl=impl)
 
 
+def _stream_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over the stream axis as explicit adds in stream order: the same bits whatever the other
+    dims (a reduction kernel may vectorise a 4-term sum differently for one token than for many)."""
+    parts = t.unbind(dim)
+    acc = parts[0]
+    for x in parts[1:]:
+        acc = acc + x
+    return acc
+
+
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse the streams: sum_j pre_j * h_j in fp32 -> [b, s, dim] in h's dtype."""
-    return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+    return _stream_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -40,5 +50,5 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
 
     y [b, s, dim] sublayer output, res [b, s, hc, dim] the sublayer's input streams.
     """
-    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + (comb.unsqueeze(-1) * res.float().unsqueeze(-2)).sum(-3)
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + _stream_sum(comb.unsqueeze(-1) * res.float().unsqueeze(-2), -3)
     return out.to(y.dtype)

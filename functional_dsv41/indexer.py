@@ -26,22 +26,26 @@ from .norm import rms_norm
 from .rope import apply_rope, rope_angles
 
 
-def fp4_qdq(x: torch.Tensor, block: int, scale_dtype) -> torch.Tensor:
+def fp4_qdq(x: torch.Tensor, block: int, scale_dtype, enabled: bool = True) -> torch.Tensor:
     """E2M1 QDQ with a straight-through gradient (the release quantises these in place)."""
+    if not enabled:
+        return x
     with torch.no_grad():
         y = quant.fp4_act_quant_dequant(x.detach(), block, scale_dtype)
     return ste(x, y)
 
 
-def index_keys(p: dict, latent: torch.Tensor, rope_pos: torch.Tensor, *, cfg: Config, layer_id: int) -> torch.Tensor:
+def index_keys(p: dict, latent: torch.Tensor, rope_pos: torch.Tensor, *, cfg: Config, layer_id: int,
+               qdq: bool = True) -> torch.Tensor:
     """latent [b, n, D] bf16 -> index keys [b, n, Di] bf16. p = ...["attn"]["indexer"]."""
     k = rms_norm(linear(latent, p["wk"]), p["k_norm"]["weight"], cfg.norm_eps)
     k = apply_rope(k, rope_angles(cfg, layer_id, rope_pos))
-    return fp4_qdq(k, 32, quant.E8M0)
+    return fp4_qdq(k, 32, quant.E8M0, qdq)
 
 
 def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, *,
-                 cfg: Config, layer_id: int, pos: torch.Tensor, mode: str = "reference") -> torch.Tensor:
+                 cfg: Config, layer_id: int, pos: torch.Tensor, mode: str = "reference",
+                 qdq: bool = True) -> torch.Tensor:
     """Scores I [b, s, n] (bf16, -inf where not visible).
 
     x [b, s, dim] attention input, qr [b, s, q_lora_rank], keys [b, n, Di], visible [b, s, n] bool,
@@ -51,11 +55,19 @@ def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor,
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     q = linear(qr, p["wq_b"], mode=mode).view(b, s, Hi, Di)
     q = apply_rope(q, rope_angles(cfg, layer_id, pos)[:, :, None, :])
-    q = fp4_qdq(q, 32, quant.E8M0)
+    q = fp4_qdq(q, 32, quant.E8M0, qdq)
     w = linear(x, p["weights_proj"], mode=mode) * (Di ** -0.5 * Hi ** -0.5)     # [b, s, Hi]
     score = torch.einsum("bshd,bnd->bshn", q, keys)
     score = (score.relu() * w.unsqueeze(-1)).sum(2)                              # [b, s, n] bf16
     return score.masked_fill(~visible, float("-inf"))
+
+
+def _topk_first(x: torch.Tensor, k: int):
+    """The k largest along the last dim, exact ties resolved towards the LOWER index. torch.topk's tie
+    order depends on the row length, and bf16 index scores tie often, so a decode step (n entries) and
+    the same query inside a chunk (n + padding entries) could pick different entries (SPEC §16)."""
+    v, i = x.sort(dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((v[..., :k], i[..., :k]))
 
 
 def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -64,7 +76,7 @@ def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, n)
     if k == 0:
         return score.new_zeros(score.shape[:-1] + (0,), dtype=torch.int64)
-    top = score.topk(k, dim=-1, sorted=False)
+    top = _topk_first(score, k)
     idx = torch.where(torch.isneginf(top.values), n, top.indices)
     idx = idx.sort(-1).values
     return torch.where(idx == n, -1, idx)
@@ -84,7 +96,7 @@ def candidate_mask(score: torch.Tensor, visible: torch.Tensor, *, cfg: Config) -
     forced = torch.nn.functional.one_hot((newest.clamp_min(0) // B), nb).bool() & has[..., None]
     block = block.masked_fill(forced, float("inf"))
     kb = min(cfg.candidate_topk_blocks, nb)
-    top = block.topk(kb, dim=-1)
+    top = _topk_first(block, kb)
     keep = torch.zeros(b, s, nb, dtype=torch.bool, device=score.device)
     keep = keep.scatter(-1, top.indices, ~torch.isneginf(top.values))
     return keep.repeat_interleave(B, -1)[..., :n]

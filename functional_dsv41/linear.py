@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from functional_dsv41 import kernels, quant
+from functional_dsv41.invariant import linear_rows
 
 MODES = ("reference", "dequant", "qat")
 
@@ -79,7 +80,7 @@ def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | Non
         if mode == "qat" and fake is not None and w.is_floating_point():
             y = F.linear(fake_quant_act(x), fake_quant_weight(w, fake).to(x.dtype))
         else:
-            y = F.linear(x, w.to(x.dtype))
+            y = linear_rows(x, w.to(x.dtype))
     if b is not None:
         y = y + b.to(y.dtype)
     return y

@@ -27,6 +27,7 @@ from .attention import attention
 from .compressor import Chunk
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
+from .invariant import linear_rows
 from .moe import moe
 from .norm import rms_norm
 from .pytree import register_carrier
@@ -54,7 +55,7 @@ class ForwardOutput:
 
 def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache,
           shared: SharedAttention, image_mask=None, mode="reference", impl=None, dispatch="sorted",
-          debug: dict | None = None):
+          qdq: bool = True, debug: dict | None = None):
     """One block with hyper-connections (SPEC §2). h [b, s, hc, dim] bf16, pre_in [b, s, hc] fp32
     (the previous block's ffn ``pre``) -> (h, ffn pre, cache, shared)."""
     eps = cfg.norm_eps
@@ -63,7 +64,7 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
     a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
     x = rms_norm(hc_pre(h, pre_in), p["attn_norm"]["weight"], eps)
     x, cache, shared, _ = attention(p["attn"], x, cfg=cfg, layer_id=layer_id, chunk=chunk, cache=cache,
-                                    shared=shared, mode=mode, impl=impl, debug=d)
+                                    shared=shared, mode=mode, impl=impl, qdq=qdq, debug=d)
     h = hc_post(x, res, a_post, a_comb)
     res = h
     f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
@@ -139,15 +140,20 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
 
 def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeState] = None,
             return_hidden: bool = False, mode: str = "reference", impl: str | None = None,
-            dispatch: str = "sorted", debug: dict | None = None) -> ForwardOutput:
+            dispatch: str = "sorted", qdq: bool = True, validate: bool = True,
+            debug: dict | None = None) -> ForwardOutput:
     """Run the backbone on a chunk. See the module docstring; DESIGN.md "Public API".
 
     params: the parameter tree (``fd.load_params`` / ``fd.init_params``); batch: {"input_ids" int64
     [b, s], optional "positions" [b, s] (packed samples), optional "token_types" [b, s] (>= 0: image
     span)}; state: a DecodeState (``fd.init_state``) or None. ``mode``: linear() mode ("reference",
-    "dequant", "qat"). ``debug``: a dict to receive intermediate tensors keyed like the golden files.
+    "dequant", "qat"). ``dispatch``: MoE formulation ("sorted" scales; "dense" works under vmap).
+    ``qdq=False``: no activation quantisation (a smooth model for gradient checks). ``validate=False``
+    skips the data-dependent input checks (needed under ``torch.func.vmap``). ``debug``: a dict to
+    receive intermediate tensors keyed like the golden files.
     """
-    _check_inputs(params, batch, cfg, state)
+    if validate:
+        _check_inputs(params, batch, cfg, state)
     ids = batch["input_ids"].long()
     b, s = ids.shape
     dev = ids.device
@@ -188,12 +194,12 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
             main_hidden.append(h.mean(dim=2))
         h, pre, caches[L], shared = block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L],
                                           shared=shared, image_mask=image_mask, mode=mode, impl=impl,
-                                          dispatch=dispatch, debug=debug)
+                                          dispatch=dispatch, qdq=qdq, debug=debug)
         if return_hidden:
             hidden[L], pre_mix[L] = h, pre
 
     x = rms_norm(hc_pre(h, pre), params["norm"]["weight"], cfg.norm_eps)
-    logits = F.linear(x.float(), params["head"]["weight"].float())
+    logits = linear_rows(x.float(), params["head"]["weight"].float())
     new_state = None
     if state is not None:
         new_state = dataclasses.replace(state, pos=start + s, layers=tuple(caches), ngram=ngram)

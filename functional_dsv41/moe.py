@@ -22,21 +22,22 @@ import torch
 import torch.nn.functional as F
 
 from .config import Config
+from . import invariant
 from .linear import linear
 
 
 def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_mask_T: torch.Tensor | None = None):
     """Router: x [T, D] -> (weights_TK fp32, idx_TK int64) in torch.topk order (descending biased score)."""
     n_exp, k = cfg.moe_experts(layer_id)
-    logits_TE = F.linear(x_TD.float(), gate["weight"].float())
+    logits_TE = invariant.linear_rows(x_TD.float(), gate["weight"].float())
     if cfg.gate_temp != 1.0:
         logits_TE = logits_TE / cfg.gate_temp
     if cfg.score_func == "softmax":
         scores_TE = logits_TE.softmax(-1)
     elif cfg.score_func == "sigmoid":
-        scores_TE = logits_TE.sigmoid()
+        scores_TE = invariant.sigmoid(logits_TE)
     else:
-        scores_TE = F.softplus(logits_TE).sqrt()
+        scores_TE = invariant.softplus(logits_TE).sqrt()
     bias_E = gate.get("bias")
     choice_TE = scores_TE
     if bias_E is not None:
@@ -59,7 +60,7 @@ def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mod
     if lim > 0:
         gate = gate.clamp(max=lim)
         up = up.clamp(-lim, lim)
-    y = F.silu(gate) * up
+    y = invariant.silu(gate) * up
     if w is not None:
         y = w * y
     return linear(y.to(x.dtype), p["w2"], mode=mode, fake=fake)

@@ -83,6 +83,16 @@ def fp4_decode(code: torch.Tensor) -> torch.Tensor:
     return FP4_TABLE.to(code.device)[code.long()]
 
 
+# byte -> (low nibble value, high nibble value): decodes packed fp4 with one gather
+_FP4_PAIRS = torch.stack((FP4_TABLE[torch.arange(256) & 0xF], FP4_TABLE[torch.arange(256) >> 4]), -1)
+
+
+def fp4_unpack_decode(packed: torch.Tensor) -> torch.Tensor:
+    """Packed fp4 bytes [..., K/2] -> fp32 values [..., K] (element 2j from the low nibble)."""
+    b = packed.view(torch.uint8)
+    return _FP4_PAIRS.to(b.device)[b.long()].flatten(-2)
+
+
 def pack_fp4(code: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., K] -> bytes [..., K/2] uint8: element 2j low nibble, 2j+1 high nibble."""
     c = code.unflatten(-1, (-1, 2))
@@ -121,7 +131,7 @@ def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequant_fp4(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """fp4 [N, K/2] packed with e8m0 [N, K/32] -> dtype [N, K]."""
-    vals = fp4_decode(unpack_fp4(q))
+    vals = fp4_unpack_decode(q)
     s = e8m0_to_float(scale).repeat_interleave(BLOCK, -1)
     return (vals * s).to(dtype)
 

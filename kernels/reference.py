@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_dsv41 import quant
+from functional_dsv41 import invariant, quant
 
 act_quant = quant.act_quant
 fp4_act_quant = quant.fp4_act_quant
@@ -30,12 +30,21 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s:
     """
     K = a.shape[-1]
     lead = a.shape[:-1]
-    a2, as2 = a.reshape(-1, K), a_s.reshape(-1, a_s.shape[-1])
-    acc = torch.zeros(a2.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
-    for kb in range(K // block):
-        sl = slice(kb * block, (kb + 1) * block)
-        acc = acc + (a2[:, sl] @ b[:, sl].T) * as2[:, kb:kb + 1] * b_s[:, kb]
-    return acc.to(out_dtype).reshape(*lead, b.shape[0])
+    nk = K // block
+    a2, as2 = a.reshape(-1, K), a_s.reshape(-1, nk)
+    M = a2.shape[0]
+    pad = (-M) % 8   # same BLAS kernel whatever the row count (see invariant.linear_rows)
+    if pad:
+        a2 = torch.cat([a2, a2.new_zeros(pad, K)])
+        as2 = torch.cat([as2, as2.new_ones(pad, nk)])
+    a3 = a2.reshape(-1, nk, block).transpose(0, 1)                   # [nk, M, block]
+    b3 = b.reshape(b.shape[0], nk, block).transpose(0, 1)            # [nk, N, block]
+    partial = torch.bmm(a3, b3.transpose(1, 2))                      # [nk, M, N], one product per K block
+    partial = partial * as2.T[:, :, None] * b_s.T[:, None, :]
+    acc = partial[0]
+    for kb in range(1, nk):                                          # sequential fp32 adds in K order
+        acc = acc + partial[kb]
+    return acc[:M].to(out_dtype).reshape(*lead, b.shape[0])
 
 
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
@@ -58,7 +67,7 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     """C = A @ fp4(B)^T (SPEC §10.4): a e4m3 [..., K] with per-act_block_size scales; b packed e2m1
     [N, K/2] with e8m0 [N, K/32]."""
     K = a.shape[-1]
-    w = quant.fp4_decode(quant.unpack_fp4(b))
+    w = quant.fp4_unpack_decode(b)
     if w.shape[-1] != K:
         raise ValueError(f"fp4_gemm: a has K={K}, b has K={w.shape[-1]}")
     a_s32 = _scales_to_float(a_s).repeat_interleave(act_block_size // 32, -1)
@@ -73,6 +82,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
     (-1 = none). Online softmax over index blocks of ``block`` exactly as the release kernel runs it:
     running max starts at -1e30 (an all-invalid row returns 0), probabilities are cast to bf16 before
     P @ V, the sink adds ``exp(sink - m)`` to the denominator only. Returns o [B, M, H, D] bf16.
+    (fp32 q/kv - the unquantised fp32 model used for gradient checks - keep fp32 probabilities and output.)
     """
     B, M, H, D = q.shape
     T = topk_idxs.shape[-1]
@@ -91,10 +101,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.einsum("bmht,bmtd->bmhd", p.to(torch.bfloat16).float(), kv_t.float())
+        acc = acc * alpha[..., None] + torch.einsum("bmht,bmtd->bmhd", p.to(q.dtype).float(), kv_t.float())
         m = m_new
     l = l + torch.exp(attn_sink.float() - m)
-    return (acc / l[..., None]).to(torch.bfloat16)
+    return (acc / l[..., None]).to(q.dtype)
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
@@ -105,14 +115,22 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     """
     hc = hc_mult
     mixes = mixes.float()
-    pre = torch.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc])
+    pre = invariant.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps
+    post = 2 * invariant.sigmoid(mixes[..., hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc])
     c = (mixes[..., 2 * hc:] * hc_scale[2] + hc_base[2 * hc:]).unflatten(-1, (hc, hc))
+
+    def total(t, dim):  # explicit adds in index order: the same bits for any leading shape
+        parts = t.unbind(dim)
+        acc = parts[0]
+        for x in parts[1:]:
+            acc = acc + x
+        return acc.unsqueeze(dim)
+
     # softmax spelled out as the kernel computes it (max-shifted exp, then one division), + eps
     c = torch.exp(c - c.amax(dim=-1, keepdim=True))
-    c = c / c.sum(dim=-1, keepdim=True) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
+    c = c / total(c, -1) + eps
+    c = c / (total(c, -2) + eps)
     for _ in range(sinkhorn_iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
+        c = c / (total(c, -1) + eps)
+        c = c / (total(c, -2) + eps)
     return pre, post, c

@@ -1,0 +1,172 @@
+"""forward(): chunked prefill == one prefill, packed samples are isolated, MoE dispatch forms agree,
+bad input is refused with a clear error."""
+import pytest
+import torch
+
+import functional_dsv41 as fd
+
+from conftest import cosine_diff, fixture_dir, golden
+
+_CACHE = {}
+
+
+def fixture_model(name="tiny-bf16"):
+    if name not in _CACHE:
+        d = fixture_dir(name)
+        cfg = fd.Config.from_json(d / "config.json")
+        _CACHE[name] = cfg, fd.load_params(d, cfg)
+    return _CACHE[name]
+
+
+def random_model(seed=0, **overrides):
+    cfg = fd.Config.tiny(**overrides)
+    params = fd.init_params(cfg, seed=seed)
+    if "engram_token_map" not in params:  # a synthetic map: random models have no tokenizer
+        params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    return cfg, params
+
+
+def run_chunks(params, cfg, ids, sizes):
+    st = fd.init_state(cfg, ids.shape[0], cfg.max_seq_len)
+    logits, hidden, topk = [], {L: [] for L in cfg.layer_ids}, {L: [] for L in cfg.index_source_layers}
+    pos = 0
+    for n in sizes:
+        out = fd.forward(params, {"input_ids": ids[:, pos:pos + n]}, cfg=cfg, state=st, return_hidden=True)
+        st = out.state
+        logits.append(out.logits)
+        for L in cfg.layer_ids:
+            hidden[L].append(out.hidden[L])
+        for L in cfg.index_source_layers:
+            topk[L].append(out.topk[L])
+        pos += n
+    assert st.pos == ids.shape[1]
+    return torch.cat(logits, 1), {L: torch.cat(v, 1) for L, v in hidden.items()}, topk
+
+
+def _topk_sets(chunks, width):
+    """Concatenate per-chunk top-k lists (their widths grow with the visible history) as sorted sets."""
+    rows = []
+    for t in chunks:
+        pad = torch.full(t.shape[:-1] + (width - t.shape[-1],), -1, dtype=t.dtype)
+        rows.append(torch.cat([t, pad], -1))
+    return torch.cat(rows, 1).sort(-1).values
+
+
+@pytest.mark.parametrize("sizes", [[49], [1] * 49, [5, 1, 2, 9, 8, 24], [8, 8, 8, 8, 17], [3, 30, 1, 15], [41, 8]])
+def test_chunked_prefill_equals_one_prefill(sizes):
+    cfg, params = fixture_model("tiny-bf16")
+    ids = golden("tiny-bf16")["input_ids"][:, :49]
+    ref_logits, ref_hidden, ref_topk = run_chunks(params, cfg, ids, [49])
+    logits, hidden, topk = run_chunks(params, cfg, ids, sizes)
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    assert (logits - ref_logits).abs().max() <= 2e-2 * ref_logits.abs().max()
+    for L in cfg.layer_ids:
+        assert cosine_diff(hidden[L], ref_hidden[L]) < 1e-4, L
+    for L in cfg.index_source_layers:
+        k = ref_topk[L][0].shape[-1]
+        assert torch.equal(_topk_sets(topk[L], k), _topk_sets(ref_topk[L], k)), L
+
+
+def test_chunked_prefill_matches_golden_prefix_prefills():
+    """decode.{k}.prefill_logits are the reference's prefill of P+k+1 tokens: one chunk of 41 + k+1 singles."""
+    cfg, params = fixture_model("tiny-bf16")
+    g = golden("tiny-bf16")
+    P = int(g["prefill_len"])
+    logits, _, _ = run_chunks(params, cfg, g["input_ids"][:, :P + 3], [P - 9, 9, 3])
+    for k in range(3):
+        ref = g[f"decode.{k}.prefill_logits"]
+        assert (logits[:, P + k] - ref).abs().max() < 2e-2 * ref.abs().max()
+        assert torch.equal(logits[:, P + k].argmax(-1), ref.argmax(-1))
+
+
+def test_packed_samples_are_isolated():
+    cfg, params = random_model(seed=3)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(3, cfg.vocab_size, (1, 23), generator=g)
+    b = torch.randint(3, cfg.vocab_size, (1, 30), generator=g)
+    packed = torch.cat([a, b], 1)
+    positions = torch.cat([torch.arange(23), torch.arange(30)])[None]
+    out_p = fd.forward(params, {"input_ids": packed, "positions": positions}, cfg=cfg, return_hidden=True)
+    out_b = fd.forward(params, {"input_ids": b}, cfg=cfg, return_hidden=True)
+    out_a = fd.forward(params, {"input_ids": a}, cfg=cfg)
+    assert cosine_diff(out_p.logits[:, 23:], out_b.logits) < 1e-6
+    assert cosine_diff(out_p.logits[:, :23], out_a.logits) < 1e-6
+    assert torch.equal(out_p.logits[:, 23:].argmax(-1), out_b.logits.argmax(-1))
+    # rewriting sample a leaves sample b's outputs unchanged
+    a2 = torch.randint(3, cfg.vocab_size, (1, 23), generator=g)
+    out_p2 = fd.forward(params, {"input_ids": torch.cat([a2, b], 1), "positions": positions}, cfg=cfg)
+    assert cosine_diff(out_p2.logits[:, 23:], out_p.logits[:, 23:]) < 1e-6
+    assert not torch.allclose(out_p2.logits[:, :23], out_p.logits[:, :23])
+
+
+def test_moe_sorted_and_dense_dispatch_agree():
+    cfg, params = random_model(seed=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    a = fd.forward(params, {"input_ids": ids}, cfg=cfg, dispatch="sorted")
+    b = fd.forward(params, {"input_ids": ids}, cfg=cfg, dispatch="dense")
+    assert torch.equal(a.logits, b.logits)
+
+
+def test_fp8_random_model_runs_in_both_linear_modes():
+    cfg, params = random_model(seed=2, dtype="fp8", expert_dtype="fp4")
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    ref = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="reference").logits
+    deq = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="dequant").logits
+    assert torch.isfinite(ref).all()
+    # dequant skips the activation fp8 rounding of every GEMM input: close, not equal
+    assert cosine_diff(ref, deq) < 1e-2
+
+
+class TestBadInput:
+    def setup_method(self):
+        self.cfg, self.params = random_model()
+
+    def fwd(self, batch, **kw):
+        return fd.forward(self.params, batch, cfg=self.cfg, **kw)
+
+    def test_id_outside_vocab(self):
+        with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
+            self.fwd({"input_ids": torch.tensor([[1, 2, 512]])})
+        with pytest.raises(ValueError, match="token id -1"):
+            self.fwd({"input_ids": torch.tensor([[1, -1]])})
+
+    def test_float_ids(self):
+        with pytest.raises(TypeError, match="integer tensor"):
+            self.fwd({"input_ids": torch.tensor([[1.0, 2.0]])})
+
+    def test_empty_and_wrong_rank(self):
+        with pytest.raises(ValueError, match="empty input_ids"):
+            self.fwd({"input_ids": torch.zeros(1, 0, dtype=torch.long)})
+        with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+            self.fwd({"input_ids": torch.tensor([1, 2, 3])})
+        with pytest.raises(ValueError, match="'input_ids'"):
+            self.fwd({"ids": torch.tensor([[1]])})
+
+    def test_too_long(self):
+        with pytest.raises(ValueError, match="runs past max_seq_len 64"):
+            self.fwd({"input_ids": torch.ones(1, 65, dtype=torch.long)})
+        st = fd.init_state(self.cfg, 1, 16)
+        st = self.fwd({"input_ids": torch.ones(1, 10, dtype=torch.long)}, state=st).state
+        with pytest.raises(ValueError, match="chunk of 7 tokens at position 10 runs past max_seq_len 16"):
+            self.fwd({"input_ids": torch.ones(1, 7, dtype=torch.long)}, state=st)
+        assert st.pos == 10
+
+    def test_params_do_not_match_config(self):
+        other = fd.Config.tiny(dim=64, engram_head_dim=32)
+        with pytest.raises(ValueError, match="params do not match the config"):
+            fd.forward(self.params, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, cfg=other)
+        p = dict(self.params, layers=self.params["layers"][:-1])
+        with pytest.raises(ValueError, match="params have 9 layers, config has 10"):
+            fd.forward(p, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, cfg=self.cfg)
+
+    def test_state_for_another_config_or_batch(self):
+        st = fd.init_state(self.cfg, 2, 32)
+        with pytest.raises(ValueError, match="state holds 2 rows, the batch has 1"):
+            self.fwd({"input_ids": torch.ones(1, 3, dtype=torch.long)}, state=st)
+        other = fd.init_state(fd.Config.tiny(window_size=4), 1, 32)
+        with pytest.raises(ValueError, match="another config"):
+            self.fwd({"input_ids": torch.ones(1, 3, dtype=torch.long)}, state=other)
+
+    def test_bad_positions(self):
+        with pytest.raises(ValueError, match="positions must count"):
+            self.fwd({"input_ids": torch.ones(1, 4, dtype=torch.long), "positions": torch.tensor([[0, 1, 3, 4]])})

@@ -1,0 +1,157 @@
+"""forward() against the official reference's golden tensors (fixtures tiny-bf16, tiny-fp8).
+
+Two ways, as DESIGN.md asks: end to end (our own outputs feed each next block) and teacher-forced
+(the golden block input and pre mix go in, our block output is compared). Tolerances from DESIGN.md:
+cosine diff < 1e-4 per block for bf16 paths (< 1e-3 where fp8/fp4 quantisation is involved), top-k
+index sets and candidate masks exact, last-position logits max-abs < 2e-2 * max|logit| with equal
+argmax. (The implementation currently matches the reference bit for bit; the asserted bounds are
+DESIGN.md's, the printed figures show the actual agreement.)
+"""
+import pytest
+import torch
+
+import functional_dsv41 as fd
+from functional_dsv41.model import block, make_chunk
+from functional_dsv41.state import SharedAttention
+
+from conftest import cosine_diff, fixture_dir, golden
+
+FIXTURES = ["tiny-bf16", "tiny-fp8"]
+_CACHE = {}
+
+
+def setup(name):
+    if name not in _CACHE:
+        d = fixture_dir(name)
+        cfg = fd.Config.from_json(d / "config.json")
+        params = fd.load_params(d, cfg)
+        _CACHE[name] = cfg, params, golden(name)
+    return _CACHE[name]
+
+
+def cos_tol(cfg):
+    return 1e-4 if cfg.dtype == "bf16" else 1e-3
+
+
+def _prefill(name):
+    key = name + "/prefill"
+    if key not in _CACHE:
+        cfg, params, g = setup(name)
+        P = int(g["prefill_len"])
+        dbg = {}
+        st = fd.init_state(cfg, g["input_ids"].shape[0], cfg.max_seq_len)
+        out = fd.forward(params, {"input_ids": g["input_ids"][:, :P]}, cfg=cfg, state=st, return_hidden=True, debug=dbg)
+        _CACHE[key] = out, dbg
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_prefill_every_block(name):
+    cfg, params, g = setup(name)
+    out, dbg = _prefill(name)
+    assert torch.equal(dbg["embed"], g["prefill.embed"])
+    worst = 0.0
+    for L in cfg.layer_ids:
+        for key in ("h", "pre_mix", "attn_out", "ffn_out"):
+            c = cosine_diff(dbg[f"layer.{L}.{key}"], g[f"prefill.layer.{L}.{key}"])
+            worst = max(worst, c)
+            assert c < cos_tol(cfg), f"layer {L} {key}: cosine diff {c:.2e}"
+        assert torch.equal(dbg[f"layer.{L}.gate_idx"], g[f"prefill.layer.{L}.gate_idx"]), f"layer {L} experts"
+        if f"prefill.layer.{L}.engram_out" in g:
+            assert cosine_diff(dbg[f"layer.{L}.engram_out"], g[f"prefill.layer.{L}.engram_out"]) < cos_tol(cfg)
+        # public outputs: hidden / pre_mix per block
+        assert out.hidden[L].shape == (2, int(g["prefill_len"]), cfg.hc_mult, cfg.dim)
+        assert cosine_diff(out.pre_mix[L], g[f"prefill.layer.{L}.pre_mix"]) < cos_tol(cfg)
+    print(f"{name}: worst per-block cosine diff {worst:.1e}")
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_prefill_topk_and_candidates_exact(name):
+    cfg, params, g = setup(name)
+    out, dbg = _prefill(name)
+    P = int(g["prefill_len"])
+    for L in cfg.index_source_layers:
+        ref = g[f"prefill.layer.{L}.topk_idxs"].long()
+        ours = torch.where(out.topk[L] >= 0, out.topk[L] + P, -1)      # golden carries the window offset (P)
+        assert ours.shape == ref.shape
+        assert torch.equal(ours.sort(-1).values, ref.sort(-1).values), f"layer {L} top-k sets differ"
+    c = cfg.candidate_source_layer
+    assert torch.equal(out.candidates.to(torch.uint8), g[f"prefill.layer.{c}.candidates"])
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_prefill_logits_caches_main_hidden(name):
+    cfg, params, g = setup(name)
+    out, dbg = _prefill(name)
+    ref = g["prefill.logits"]
+    lg = out.logits[:, -1]
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (2, int(g["prefill_len"]), cfg.vocab_size)
+    err = (lg - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item(), err
+    assert torch.equal(lg.argmax(-1), g["prefill.out_ids"])
+    assert cosine_diff(out.main_hidden, g["prefill.main_hidden"]) < cos_tol(cfg)
+    assert torch.equal(out.engram_ids, g["prefill.engram_hash"])
+    P = int(g["prefill_len"])
+    for L in cfg.layer_ids:
+        assert torch.equal(out.state.layers[L].window_kv, g[f"prefill.layer.{L}.window_kv_cache"]), L
+    for L in cfg.kv_source_layers:
+        c, n = out.state.layers[L], P // cfg.compress_ratio(L)
+        assert cosine_diff(c.compress_kv[:, :n], g[f"prefill.layer.{L}.compress_kv_cache"]) < cos_tol(cfg)
+        assert cosine_diff(c.index_k[:, :n], g[f"prefill.layer.{L}.index_k_cache"]) < cos_tol(cfg)
+        if cfg.compress_ratio(L) > 1:
+            assert torch.equal(c.partial_kv, g[f"prefill.layer.{L}.compressor_kv_state"])
+            assert torch.equal(c.partial_score, g[f"prefill.layer.{L}.compressor_score_state"])
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_teacher_forced_blocks(name):
+    """Each block from the golden input: golden h / pre of the block before (engram_out at Engram layers)."""
+    cfg, params, g = setup(name)
+    P = int(g["prefill_len"])
+    ids = g["input_ids"][:, :P]
+    b = ids.shape[0]
+    chunk = make_chunk({"input_ids": ids}, 0, ids.device)
+    shared = SharedAttention()
+    for L in cfg.layer_ids:
+        if L == 0:
+            h = g["prefill.embed"].unsqueeze(2).expand(b, P, cfg.hc_mult, cfg.dim).contiguous()
+            pre = torch.zeros(b, P, cfg.hc_mult)
+            pre[..., 0] = 1
+        else:
+            h, pre = g[f"prefill.layer.{L - 1}.h"], g[f"prefill.layer.{L - 1}.pre_mix"]
+        if f"prefill.layer.{L}.engram_out" in g:
+            h = g[f"prefill.layer.{L}.engram_out"]
+        dbg = {}
+        h2, pre2, _, shared = block(params["layers"][L], h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=None,
+                                    shared=shared, debug=dbg)
+        assert cosine_diff(h2, g[f"prefill.layer.{L}.h"]) < cos_tol(cfg), L
+        assert cosine_diff(pre2, g[f"prefill.layer.{L}.pre_mix"]) < cos_tol(cfg), L
+        assert torch.equal(dbg[f"layer.{L}.sparse_idx"].int(), g[f"prefill.layer.{L}.sparse_idx"]), L
+        assert cosine_diff(dbg[f"layer.{L}.sparse_kv"], g[f"prefill.layer.{L}.sparse_kv"]) < cos_tol(cfg), L
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_decode_steps_match_golden(name):
+    """Prefill P tokens, then single-token steps: logits and argmax of every golden decode step."""
+    cfg, params, g = setup(name)
+    P = int(g["prefill_len"])
+    n_dec = g["generated_ids"].shape[1] - 1
+    st = fd.forward(params, {"input_ids": g["input_ids"][:, :P]}, cfg=cfg,
+                    state=fd.init_state(cfg, 2, cfg.max_seq_len)).state
+    for k in range(n_dec):
+        dbg = {}
+        out = fd.forward(params, {"input_ids": g["input_ids"][:, P + k:P + k + 1]}, cfg=cfg, state=st, debug=dbg)
+        st = out.state
+        ref = g[f"decode.{k}.logits"]
+        err = (out.logits[:, -1] - ref).abs().max().item()
+        assert err < 2e-2 * ref.abs().max().item(), (k, err)
+        assert torch.equal(out.logits[:, -1].argmax(-1), g[f"decode.{k}.out_ids"]), k
+        assert st.pos == P + k + 1
+        if k == 0:  # per-layer states at step 0
+            for L in cfg.layer_ids:
+                assert cosine_diff(dbg[f"layer.{L}.h"], g[f"decode.0.layer.{L}.h"]) < cos_tol(cfg), L
+                if f"decode.0.layer.{L}.topk_idxs" in g:
+                    ours = dbg[f"layer.{L}.topk_idxs"]
+                    n_win = cfg.window_size + 1          # our window block: ring (W rows) + this token
+                    ours = torch.where(ours >= 0, ours - n_win + cfg.window_size, -1)
+                    assert torch.equal(ours.int().sort(-1).values, g[f"decode.0.layer.{L}.topk_idxs"].sort(-1).values)
