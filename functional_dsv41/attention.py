@@ -25,7 +25,7 @@ import torch
 from . import kernels, quant
 from .compressor import BIG, Chunk, compress
 from .config import Config
-from .indexer import candidate_mask, fp4_qdq, index_keys, index_scores, select_topk
+from .indexer import candidate_mask, entry_blocks, fp4_qdq, index_keys, index_scores, select_topk
 from .linear import dequantize, linear, ste
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
@@ -112,7 +112,7 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
             score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode,
                                  qdq=qdq)
             if L == cfg.candidate_source_layer:
-                shared = shared.replace(candidates=candidate_mask(score, visible, cfg=cfg))
+                shared = shared.replace(candidates=candidate_mask(score, visible, shared.blocks[src], cfg=cfg))
                 if debug is not None:
                     debug["candidates"] = shared.candidates
             if cfg.uses_candidates(L):
@@ -147,7 +147,7 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
     keys_new = index_keys(p["indexer"], ent.latent, ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)
     kv_new = apply_rope(ent.latent, rope_angles(cfg, L, ent.rope_pos))
     kv_new = fp4_qdq(kv_new, 16, quant.FP8, qdq)
-    end, seg = ent.end, ent.seg
+    end, seg, group = ent.end, ent.seg, ent.rope_pos // r
     if cache is not None:
         n_prev = chunk.start // r
         n_new = kv_new.shape[1]
@@ -162,8 +162,10 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
         keys_new = torch.cat([cache.index_k[:, :n_prev], keys_new], 1)
         end = torch.cat([(hist * r + r - 1).expand(x.shape[0], n_prev), end], 1)
         seg = torch.cat([torch.zeros_like(end[:, :n_prev]), seg], 1)
+        group = torch.cat([hist.expand(x.shape[0], n_prev), group], 1)
         new_cache = AttnCache(new_cache.window_kv, cache.compress_kv, cache.index_k, part_kv, part_s)
     visible = (end[:, None, :] <= chunk.pos_abs[None, :, None]) & (seg[:, None, :] == chunk.seg_start[:, :, None])
     shared = shared.replace(kv={**shared.kv, L: kv_new}, index_k={**shared.index_k, L: keys_new},
-                            visible={**shared.visible, L: visible})
+                            visible={**shared.visible, L: visible},
+                            blocks={**shared.blocks, L: entry_blocks(group, seg, cfg=cfg)})
     return shared, new_cache

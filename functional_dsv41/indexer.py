@@ -82,21 +82,39 @@ def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(idx == n, -1, idx)
 
 
-def candidate_mask(score: torch.Tensor, visible: torch.Tensor, *, cfg: Config) -> torch.Tensor:
-    """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of entries in the chosen blocks."""
-    b, s, n = score.shape
+def entry_blocks(group: torch.Tensor, seg: torch.Tensor, *, cfg: Config) -> torch.Tensor:
+    """Candidate block id of every compressed entry [b, n]: ``candidate_block_size`` consecutive groups
+    of one sample (group = entry index inside its sample), numbered along the row. For a plain row
+    this is ``j // candidate_block_size``; in packed rows blocks never straddle two samples."""
     B = cfg.candidate_block_size
-    nb = -(-n // B)
-    pad = nb * B - n
-    sc = torch.nn.functional.pad(score.float(), (0, pad), value=float("-inf")) if pad else score.float()
-    block = sc.view(b, s, nb, B).amax(-1)                                        # [b, s, nb]
+    new = (group % B == 0)
+    new[:, 1:] |= seg[:, 1:] != seg[:, :-1]
+    new[:, :1] = True
+    return new.long().cumsum(1) - 1
+
+
+def candidate_mask(score: torch.Tensor, visible: torch.Tensor, blocks: torch.Tensor, *, cfg: Config) -> torch.Tensor:
+    """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of entries in the chosen blocks.
+
+    blocks [b, n]: block id of each entry (``entry_blocks``). Block score = max of its entries'
+    scores (-inf where none is visible); the block of the query's newest visible entry is forced in;
+    the top ``candidate_topk_blocks`` blocks with a finite score are kept.
+    """
+    b, s, n = score.shape
+    if n == 0:
+        return torch.zeros_like(visible)
+    nb = int(blocks.max()) + 1
+    idx = blocks[:, None, :].expand(b, s, n)
+    block = torch.full((b, s, nb), float("-inf"), device=score.device)
+    block = block.scatter_reduce(-1, idx, score.float(), reduce="amax", include_self=True)   # [b, s, nb]
     ar = torch.arange(n, device=score.device)
     newest = torch.where(visible, ar, -1).amax(-1)                               # [b, s] newest visible entry
     has = newest >= 0
-    forced = torch.nn.functional.one_hot((newest.clamp_min(0) // B), nb).bool() & has[..., None]
+    forced_block = blocks.gather(1, newest.clamp_min(0))                         # [b, s]
+    forced = torch.nn.functional.one_hot(forced_block, nb).bool() & has[..., None]
     block = block.masked_fill(forced, float("inf"))
     kb = min(cfg.candidate_topk_blocks, nb)
     top = _topk_first(block, kb)
     keep = torch.zeros(b, s, nb, dtype=torch.bool, device=score.device)
     keep = keep.scatter(-1, top.indices, ~torch.isneginf(top.values))
-    return keep.repeat_interleave(B, -1)[..., :n]
+    return keep.gather(-1, idx)

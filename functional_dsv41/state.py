@@ -54,12 +54,14 @@ class SharedAttention:
     index_k[L]    [b, n_compressed, index_head_dim]
     topk[L]       [b, s, k] int64 compressed-entry indices (no window offset), -1 = none
     visible[L]    [b, s, n_compressed] bool: entry j is complete and in the query's own sample
+    blocks[L]     [b, n_compressed] int64: candidate block of each entry (never spanning two samples)
     candidates    [b, s, n_compressed] bool, published by the candidate source layer
     """
     kv: dict = dataclasses.field(default_factory=dict)
     index_k: dict = dataclasses.field(default_factory=dict)
     topk: dict = dataclasses.field(default_factory=dict)
     visible: dict = dataclasses.field(default_factory=dict)
+    blocks: dict = dataclasses.field(default_factory=dict)
     candidates: Optional[torch.Tensor] = None
 
     def replace(self, **kw) -> "SharedAttention":
