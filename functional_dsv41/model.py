@@ -170,7 +170,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
                              "tokenizer.json; init_params(cfg, tokenizer=...) too)")
         ng_ids, ngram = engram_mod.hash_ids(ids, cfg=cfg, token_map=token_map, image_mask=image_mask,
                                             cache=state.ngram if state is not None else None,
-                                            positions=batch.get("positions"))
+                                            positions=batch.get("positions"), check=validate)
 
     h = F.embedding(ids, params["embed"]["weight"])
     if debug is not None:
@@ -187,7 +187,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
         p = params["layers"][L]
         e = cfg.engram_index(L)
         if e is not None:
-            h = engram_mod.engram_write(p["engram"], h, ng_ids[:, :, e], cfg=cfg, image_mask=image_mask, mode=mode)
+            h = engram_mod.engram_write(p["engram"], h, ng_ids[:, :, e], cfg=cfg, image_mask=image_mask, mode=mode,
+                                        check=validate)
             if debug is not None:
                 debug[f"layer.{L}.engram_out"] = h
         if L in cfg.dspark_target_layer_ids:

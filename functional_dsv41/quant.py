@@ -182,8 +182,18 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
 
 def act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
     """The ``inplace=True`` form of act_quant: fp8 QDQ with ue8m0 scales, result in x's dtype."""
-    q, s = act_quant(x, block_size, "ue8m0", torch.float32)
+    q, s = act_quant(x, block_size, "ue8m0", torch.float32, _allow_float=True)
     return (_blocks(q.float(), block_size) * s[..., None]).flatten(-2).to(x.dtype)
+
+
+def _fp4_scale(blk: torch.Tensor, scale_dtype) -> torch.Tensor:
+    """fp32 scales [..., B] of 1 x block groups [..., B, block] (SPEC §10.2)."""
+    amax = blk.abs().amax(-1)
+    if scale_dtype == E8M0:
+        return pow2_ceil_scale(amax.clamp_min(FP4_MAX * 2.0 ** -126), 1.0 / FP4_MAX)
+    if scale_dtype == FP8:
+        return (amax.clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).clamp(max=FP8_MAX).to(FP8).float()
+    raise ValueError(f"fp4_act_quant: scale_dtype must be e8m0 or e4m3, got {scale_dtype}")
 
 
 def fp4_act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_dtype: torch.dtype = E8M0):
@@ -193,23 +203,16 @@ def fp4_act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_dtype: torch.d
     e4m3 scales (compressed KV, block 16): ``amax >= 6*2^-9``, ``s = e4m3(amax/6)`` (saturating).
     """
     blk = _blocks(x.float(), block_size)
-    amax = blk.abs().amax(-1)
-    if scale_dtype == E8M0:
-        s = pow2_ceil_scale(amax.clamp_min(FP4_MAX * 2.0 ** -126), 1.0 / FP4_MAX)
-        s_out = float_to_e8m0(s)
-    elif scale_dtype == FP8:
-        s_out = (amax.clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).clamp(max=FP8_MAX).to(FP8)
-        s = s_out.float()
-    else:
-        raise ValueError(f"fp4_act_quant: scale_dtype must be e8m0 or e4m3, got {scale_dtype}")
+    s = _fp4_scale(blk, scale_dtype)
     codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
+    s_out = float_to_e8m0(s) if scale_dtype == E8M0 else s.to(FP8)
     return pack_fp4(codes), s_out
 
 
 def fp4_act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK,
                           scale_dtype: torch.dtype = E8M0) -> torch.Tensor:
-    """The ``inplace=True`` form: E2M1 QDQ, result in x's dtype."""
-    packed, s = fp4_act_quant(x, block_size, scale_dtype)
-    sf = e8m0_to_float(s) if scale_dtype == E8M0 else s.float()
-    vals = _blocks(fp4_decode(unpack_fp4(packed)), block_size) * sf[..., None]
+    """The ``inplace=True`` form: E2M1 QDQ, result in x's dtype (no host sync: usable under vmap)."""
+    blk = _blocks(x.float(), block_size)
+    s = _fp4_scale(blk, scale_dtype)
+    vals = fp4_decode(fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX))) * s[..., None]
     return vals.flatten(-2).to(x.dtype)

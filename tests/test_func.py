@@ -1,0 +1,86 @@
+"""torch.func over the whole model: grad of the param tree, per-example vmap(grad), jvp vs finite differences."""
+import torch
+import torch.nn.functional as F
+from torch.func import grad, jvp, vmap
+
+import functional_dsv41 as fd
+from functional_dsv41.pytree import flatten_with_paths, unflatten_from_paths
+
+
+def tiny_model(seed=0, **overrides):
+    cfg = fd.Config.tiny(max_seq_len=32, **overrides)
+    params = fd.init_params(cfg, seed=seed)
+    params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    return cfg, params
+
+
+def split(params, dtype=None):
+    """(differentiable float leaves, the rest) as flat path dicts; optionally cast the float leaves."""
+    flat = flatten_with_paths(params)
+    train = {k: (v.to(dtype) if dtype else v) for k, v in flat.items()
+             if v.is_floating_point() and v.dtype not in (torch.float8_e4m3fn, torch.float8_e8m0fnu)}
+    frozen = {k: v for k, v in flat.items() if k not in train}
+    return train, frozen
+
+
+def next_token_loss(train, frozen, ids, cfg, **kw):
+    params = unflatten_from_paths({**frozen, **train})
+    logits = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="dequant", **kw).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def test_grad_of_whole_param_tree():
+    cfg, params = tiny_model()
+    train, frozen = split(params)
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    g = grad(next_token_loss)(train, frozen, ids, cfg)
+    assert set(g) == set(train)
+    assert all(torch.isfinite(v).all() for v in g.values())
+    nonzero = {k for k, v in g.items() if v.abs().max() > 0}
+    # every block's attention, mHC and shared expert, the embedding and the head learn
+    for k in ("embed.weight", "head.weight", "norm.weight", "layers.0.attn.wq_a.weight", "layers.5.hc_ffn_fn",
+              "layers.9.ffn.shared_experts.w2.weight", "layers.1.engram.wkv.weight", "layers.2.attn.attn_sink"):
+        assert k in nonzero, k
+    # the indexer chooses by top-k: no gradient reaches it without the KL loss (SPEC §5)
+    assert "layers.2.attn.indexer.wq_b.weight" not in nonzero
+    # DSpark stages are not in the backbone forward
+    assert not any(k.startswith("mtp.") for k in nonzero)
+
+
+def test_vmap_per_example_grad_equals_loop():
+    cfg, params = tiny_model(seed=1)
+    train, frozen = split(params, torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+
+    def per_example(tr, x):
+        return next_token_loss(tr, frozen, x[None], cfg, dispatch="dense", validate=False)
+
+    batched = vmap(grad(per_example), in_dims=(None, 0))(train, ids)
+    for i in range(ids.shape[0]):
+        single = grad(per_example)(train, ids[i])
+        for k in ("embed.weight", "layers.3.attn.wkv.weight", "layers.7.ffn.experts.1.w3.weight", "layers.4.hc_attn_fn"):
+            torch.testing.assert_close(batched[k][i], single[k], atol=1e-6, rtol=1e-4)
+
+
+def test_jvp_matches_finite_difference_fp32():
+    """The smooth fp32 model (no activation QDQ) against central differences along a random direction."""
+    cfg, params = tiny_model(seed=2)
+    train, frozen = split(params, torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(3)
+    # leaves whose path to the loss is fp32 end to end (the Engram value path is bf16 by design, and a
+    # large step along attention queries flips top-k choices: finite differences are meaningless there)
+    keys = ["norm.weight", "layers.3.ffn.shared_experts.w1.weight", "layers.5.attn.compressor.wkv.weight",
+            "layers.6.hc_ffn_fn", "layers.8.attn.wo_b.weight"]
+    direction = {k: (torch.randn(v.shape, generator=gen) if k in keys else torch.zeros_like(v)) for k, v in train.items()}
+
+    def f(tr):
+        return next_token_loss(tr, frozen, ids, cfg, qdq=False)
+
+    _, tangent = jvp(f, (train,), (direction,))
+    eps = 1e-3
+    plus = f({k: v + eps * direction[k] for k, v in train.items()})
+    minus = f({k: v - eps * direction[k] for k, v in train.items()})
+    fd_est = (plus - minus) / (2 * eps)
+    assert abs(tangent.item()) > 1e-2
+    assert abs(tangent.item() - fd_est.item()) <= 1e-2 * abs(tangent.item()), (tangent.item(), fd_est.item())
