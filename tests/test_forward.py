@@ -108,13 +108,18 @@ def test_moe_sorted_and_dense_dispatch_agree():
 
 
 def test_fp8_random_model_runs_in_both_linear_modes():
+    from functional_dsv41.linear import linear
     cfg, params = random_model(seed=2, dtype="fp8", expert_dtype="fp4")
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
-    ref = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="reference").logits
-    deq = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="dequant").logits
-    assert torch.isfinite(ref).all()
-    # dequant skips the activation fp8 rounding of every GEMM input: close, not equal
-    assert cosine_diff(ref, deq) < 1e-2
+    for mode in ("reference", "dequant"):
+        out = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode=mode).logits
+        assert out.shape == (1, 12, cfg.vocab_size) and torch.isfinite(out).all()
+    # per GEMM the two modes differ only by the fp8 rounding of the activations (the whole random model
+    # is chaotic: a rounding can flip an expert choice, so compare the operation itself)
+    x = torch.randn(5, cfg.dim, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for p in (params["layers"][3]["attn"]["wq_a"], params["layers"][3]["ffn"]["experts"][1]["w1"]):
+        ref, deq = linear(x, p, mode="reference"), linear(x, p, mode="dequant")
+        assert cosine_diff(ref, deq) < 1e-3
 
 
 class TestBadInput:
