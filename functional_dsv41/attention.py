@@ -69,12 +69,13 @@ def roll_ring(ring: torch.Tensor | None, rows: torch.Tensor, chunk: Chunk, W: in
 
 def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache: AttnCache | None,
               shared: SharedAttention, mode: str = "reference", impl: str | None = None, qdq: bool = True,
-              debug: dict | None = None):
+              debug: dict | None = None, aux: dict | None = None):
     """x [b, s, dim] bf16 (normed) -> (out [b, s, dim], new cache or None, shared, topk info).
 
     p = params["layers"][L]["attn"]; ``cache`` is the layer's AttnCache (None: no state, e.g. training).
     ``qdq=False`` skips the activation quantisation (fp8 KV, fp4 compressed KV and indexer q/k): the
-    smooth model used for gradient checks, not the release's numerics.
+    smooth model used for gradient checks, not the release's numerics. ``aux``: a dict that receives,
+    for an index-source layer, what the indexer KL loss needs (``indexer_kl_terms``).
     """
     L = layer_id
     b, s, _ = x.shape
@@ -115,6 +116,7 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
                 shared = shared.replace(candidates=candidate_mask(score, visible, shared.blocks[src], cfg=cfg))
                 if debug is not None:
                     debug["candidates"] = shared.candidates
+            student = score
             if cfg.uses_candidates(L):
                 score = score.masked_fill(~shared.candidates, float("-inf"))
             topk = select_topk(score, cfg.index_topk)
@@ -129,6 +131,8 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
             debug["topk_idxs"] = torch.where(topk >= 0, topk + n_win, -1)
 
     o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
+    if aux is not None and topk is not None and L in cfg.index_source_layers:
+        aux.update(indexer_kl_terms(q, kv_all, p["attn_sink"], idx, topk, student, D ** -0.5))
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
     o = apply_rope(o, rot[:, :, None, :], inverse=True)
@@ -137,6 +141,28 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, G, -1), wo_a)
     out = linear(u.flatten(2), p["wo_b"], mode=mode)
     return out, new_cache, shared, topk
+
+
+def indexer_kl_terms(q, kv_all, sink, idx, topk, student, scale) -> dict:
+    """Teacher and student of the lightning-indexer KL for one index-source layer.
+
+    teacher [b, s, H, k]: the attention's own probability (sink included in the normaliser) on each
+    selected compressed slot, per head, detached. student [b, s, k]: the indexer's scores at those
+    slots, taken before the candidate mask (the only path by which the indexer gets a gradient).
+    valid [b, s, k]: the slot exists.
+    """
+    k = topk.shape[-1]
+    valid = topk >= 0
+    with torch.no_grad():
+        b = q.shape[0]
+        bi = torch.arange(b, device=q.device)[:, None, None]
+        kv_t = kv_all[bi, idx.clamp_min(0)].float()                              # [b, s, T, D]
+        logits = torch.einsum("bshd,bstd->bsht", q.float(), kv_t) * scale
+        logits = logits.masked_fill((idx < 0)[:, :, None, :], float("-inf"))
+        sink_l = sink.float()[None, None, :, None].expand(*logits.shape[:3], 1)
+        probs = torch.softmax(torch.cat([logits, sink_l], -1), -1)[..., :-1]
+        teacher = probs[..., -k:]                                                # compressed slots last
+    return {"teacher": teacher, "student": student.gather(-1, topk.clamp_min(0)), "valid": valid}
 
 
 def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, shared, mode, qdq=True):

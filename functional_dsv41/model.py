@@ -51,11 +51,12 @@ class ForwardOutput:
     topk: Optional[dict] = None
     candidates: Optional[torch.Tensor] = None
     engram_ids: Optional[torch.Tensor] = None
+    aux: Optional[dict] = None
 
 
 def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache,
           shared: SharedAttention, image_mask=None, mode="reference", impl=None, dispatch="sorted",
-          qdq: bool = True, debug: dict | None = None):
+          qdq: bool = True, debug: dict | None = None, aux: dict | None = None):
     """One block with hyper-connections (SPEC §2). h [b, s, hc, dim] bf16, pre_in [b, s, hc] fp32
     (the previous block's ffn ``pre``) -> (h, ffn pre, cache, shared)."""
     eps = cfg.norm_eps
@@ -64,7 +65,7 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
     a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
     x = rms_norm(hc_pre(h, pre_in), p["attn_norm"]["weight"], eps)
     x, cache, shared, _ = attention(p["attn"], x, cfg=cfg, layer_id=layer_id, chunk=chunk, cache=cache,
-                                    shared=shared, mode=mode, impl=impl, qdq=qdq, debug=d)
+                                    shared=shared, mode=mode, impl=impl, qdq=qdq, debug=d, aux=aux)
     h = hc_post(x, res, a_post, a_comb)
     res = h
     f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
@@ -140,7 +141,7 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
 
 def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeState] = None,
             return_hidden: bool = False, mode: str = "reference", impl: str | None = None,
-            dispatch: str = "sorted", qdq: bool = True, validate: bool = True,
+            dispatch: str = "sorted", qdq: bool = True, validate: bool = True, aux: bool = False,
             debug: dict | None = None) -> ForwardOutput:
     """Run the backbone on a chunk. See the module docstring; DESIGN.md "Public API".
 
@@ -149,8 +150,10 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     span)}; state: a DecodeState (``fd.init_state``) or None. ``mode``: linear() mode ("reference",
     "dequant", "qat"). ``dispatch``: MoE formulation ("sorted" scales; "dense" works under vmap).
     ``qdq=False``: no activation quantisation (a smooth model for gradient checks). ``validate=False``
-    skips the data-dependent input checks (needed under ``torch.func.vmap``). ``debug``: a dict to
-    receive intermediate tensors keyed like the golden files.
+    skips the data-dependent input checks (needed under ``torch.func.vmap``). ``aux=True``: also return
+    ``out.aux["indexer"][L] = {"teacher", "student", "valid"}`` per index-source layer (the indexer
+    KL loss, ``attention.indexer_kl_terms``). ``debug``: a dict to receive intermediate tensors keyed
+    like the golden files.
     """
     if validate:
         _check_inputs(params, batch, cfg, state)
@@ -183,6 +186,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     shared = SharedAttention()
     caches = list(state.layers) if state is not None else [None] * cfg.n_layers
     main_hidden, hidden, pre_mix = [], {}, {}
+    aux_indexer = {} if aux else None
     for L in cfg.layer_ids:
         p = params["layers"][L]
         e = cfg.engram_index(L)
@@ -193,9 +197,12 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
                 debug[f"layer.{L}.engram_out"] = h
         if L in cfg.dspark_target_layer_ids:
             main_hidden.append(h.mean(dim=2))
+        layer_aux = {} if aux else None
         h, pre, caches[L], shared = block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L],
                                           shared=shared, image_mask=image_mask, mode=mode, impl=impl,
-                                          dispatch=dispatch, qdq=qdq, debug=debug)
+                                          dispatch=dispatch, qdq=qdq, debug=debug, aux=layer_aux)
+        if layer_aux:
+            aux_indexer[L] = layer_aux
         if return_hidden:
             hidden[L], pre_mix[L] = h, pre
 
@@ -207,6 +214,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     mh = torch.cat(main_hidden, -1) if main_hidden else None
     if debug is not None and mh is not None:
         debug["main_hidden"] = mh
+    aux_out = {"indexer": aux_indexer} if aux else None
     if not return_hidden:
-        return ForwardOutput(logits, new_state, mh)
-    return ForwardOutput(logits, new_state, mh, hidden, pre_mix, dict(shared.topk), shared.candidates, ng_ids)
+        return ForwardOutput(logits, new_state, mh, aux=aux_out)
+    return ForwardOutput(logits, new_state, mh, hidden, pre_mix, dict(shared.topk), shared.candidates, ng_ids,
+                         aux_out)

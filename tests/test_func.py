@@ -84,3 +84,30 @@ def test_jvp_matches_finite_difference_fp32():
     fd_est = (plus - minus) / (2 * eps)
     assert abs(tangent.item()) > 1e-2
     assert abs(tangent.item() - fd_est.item()) <= 1e-2 * abs(tangent.item()), (tangent.item(), fd_est.item())
+
+
+def test_indexer_kl_terms_reach_the_indexer():
+    """aux=True: teacher = attention mass on the selected compressed slots (a probability share, detached),
+    student = indexer scores there; a loss on the student is the indexer's only gradient path."""
+    cfg, params = tiny_model(seed=4)
+    train, frozen = split(params, torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
+
+    def kl_loss(tr):
+        p = unflatten_from_paths({**frozen, **tr})
+        out = fd.forward(p, {"input_ids": ids}, cfg=cfg, mode="dequant", aux=True)
+        total = 0
+        for L, d in out.aux["indexer"].items():
+            assert d["teacher"].shape == (2, 20, cfg.n_heads, d["student"].shape[-1])
+            assert not d["teacher"].requires_grad
+            share = d["teacher"].sum(-1)                         # per head: mass on compressed slots <= 1
+            assert bool((share <= 1 + 1e-5).all()) and bool((share >= 0).all())
+            st = torch.where(d["valid"], d["student"].float(), torch.zeros_like(d["student"].float()))
+            total = total + (st * d["teacher"].sum(-2)).sum()
+        assert set(out.aux["indexer"]) == set(cfg.index_source_layers)
+        return total
+
+    g = grad(kl_loss)(train)
+    for L in cfg.index_source_layers:
+        assert g[f"layers.{L}.attn.indexer.wq_b.weight"].abs().max() > 0, L
+        assert g[f"layers.{L}.attn.indexer.weights_proj.weight"].abs().max() > 0, L
