@@ -3,9 +3,11 @@
 Parts (``LOSS_NAMES``):
   - ``ce``: next-token cross-entropy, mean over valid targets (``labels != IGNORE``; data.make_labels
     never lets a target cross a packed-sample boundary).
-  - ``draft``: DSpark draft cross-entropy (optional): the draft head's logits for the next
-    ``dspark_block_size - 1`` tokens after every position, against the tokens of the same sample.
-    Needs ``functional_dsv41.dspark_forward`` (the model's DSpark training forward).
+  - ``draft``: DSpark draft cross-entropy (optional): ``fd.dspark_forward`` (stateless, teacher-forced
+    draft over the packed rows, fed the main forward's ``main_hidden``) gives, for every anchor
+    position p, the draft logits of the block after p and their targets (tokens p+2.. of the same
+    sample, -1 past it); mean CE over the valid, non-padding targets. ``draft_anchor_stride`` > 1
+    drafts after every k-th position only (the draft costs anchors x block queries).
   - ``indexer_kl``: lightning-indexer distillation (optional, off by default): per index-source
     layer, KL(teacher ‖ softmax(student)) over the selected compressed slots, where the teacher is
     the attention's own probability mass on each selected slot (detached; summed over heads if it has
@@ -55,21 +57,6 @@ def per_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.where(labels != IGNORE, ce, torch.zeros_like(ce))
 
 
-def draft_labels(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, n_draft: int) -> torch.Tensor:
-    """Targets [b, s, n_draft] for the DSpark draft: slot k of position t predicts token t+1+k when it is
-    in the same sample (chaining ``labels``, which already stop at sample ends). IGNORE otherwise."""
-    b, s = ids.shape
-    out = torch.full((b, s, n_draft), IGNORE, dtype=torch.long, device=ids.device)
-    valid = labels != IGNORE              # t -> t+1 is a real target
-    for k in range(n_draft):
-        # token t+1+k is a target of t iff every step t..t+k stays inside the sample
-        ok = valid[:, : s - k].clone()
-        for j in range(1, k + 1):
-            ok &= valid[:, j: s - k + j]
-        out[:, : s - k, k] = torch.where(ok, labels[:, k:], torch.full_like(labels[:, k:], IGNORE))
-    return out
-
-
 def indexer_kl(aux_indexer: Mapping, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """KL(teacher ‖ softmax(student)) averaged over layers (module docstring).
 
@@ -111,8 +98,8 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coefs: Mapping[str, float],
                    forward: Callable, mode: str = "dequant", pad_id: Optional[int] = None,
-                   forward_kwargs: Optional[dict] = None, draft_forward: Optional[Callable] = None
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   forward_kwargs: Optional[dict] = None, draft_forward: Optional[Callable] = None,
+                   draft_anchor_stride: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run the forward once and return ``(total, parts)``; only the parts that are on appear in ``parts``.
 
     ``forward`` has the signature of ``fd.forward``; ``batch`` holds input_ids, positions, labels.
@@ -136,10 +123,16 @@ def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coef
         if draft_forward is None:
             raise NotImplementedError("the draft loss is on but the model has no DSpark training forward "
                                       "(functional_dsv41.dspark_forward) yet; set --loss.draft=0")
-        dl = draft_forward(params, out, inputs, cfg=cfg, mode=mode)          # [b, s, n_draft, V]
-        tgt = draft_labels(batch["input_ids"], batch.get("positions", _default_positions(batch["input_ids"])),
-                           batch["labels"], dl.shape[-2])
-        parts["draft"] = cross_entropy(dl, tgt)
+        if out.main_hidden is None:
+            raise ValueError("the draft loss is on but the forward returned no main_hidden (no DSpark stages?)")
+        ids = batch["input_ids"]
+        anchors = torch.arange(0, ids.shape[1] - 1, max(int(draft_anchor_stride), 1), device=ids.device)
+        d = draft_forward(params, out.main_hidden, ids, cfg=cfg, positions=inputs.get("positions"),
+                          anchors=anchors, mode=mode)                   # logits [b, n, B, V], targets [b, n, B]
+        tgt = torch.where(d.targets < 0, torch.full_like(d.targets, IGNORE), d.targets)
+        if pad_id is not None:
+            tgt = torch.where(tgt == pad_id, torch.full_like(tgt, IGNORE), tgt)
+        parts["draft"] = cross_entropy(d.logits, tgt)
     if "indexer_kl" in on:
         aux = getattr(out, "aux", None) or {}
         mask = None if pad_id is None else batch["input_ids"] != pad_id
@@ -147,6 +140,3 @@ def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coef
     total = sum(float(coefs[n]) * parts[n] for n in on)
     return total, parts
 
-
-def _default_positions(ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)

@@ -60,13 +60,16 @@ class RunConfig:
     qat: bool = False              # mode="qat": linear() fake-quantises (fp8 / fp4 experts), STE gradients
     mode: str = "dequant"          # forward mode when qat is off
     loss_ce: float = 1.0
-    loss_draft: float = 0.0        # DSpark draft loss (needs fd.dspark_forward)
+    loss_draft: float = 0.0        # DSpark draft loss (needs DSpark stages: n_mtp_layers > 0)
+    draft_anchor_stride: int = 4   # draft after every k-th position (cost: anchors x block queries)
     loss_indexer_kl: float = 0.0   # lightning-indexer KL (needs forward(aux=True))
     frozen: str = ",".join(step_mod.FROZEN_DEFAULT)   # comma-separated globs of frozen param paths
     remat: bool = False            # per-block activation checkpointing (needs the model hook)
     corpus: str = CORPUS_TXT
     tokenizer: str = TOKENIZER_JSON
-    threads: int = 0               # torch intra-op threads (0: torch's default)
+    threads: int = 1               # torch intra-op threads (0: torch's default). 1: the tiny model's ops are
+                                   # too small to gain from 2 threads, and 2 threads slow down 3-10x when
+                                   # another process shares the cores (measured on the 2-core CI box)
     export: bool = True
     sample_prompt: str = "Once upon a time"
     sample_tokens: int = 48
@@ -110,6 +113,8 @@ def tiny_model(tokenizer: str = TOKENIZER_JSON, **overrides) -> fd.Config:
 PRESETS: dict[str, tuple[Callable[..., fd.Config], dict]] = {
     # name: (model config builder, RunConfig overrides)
     "tiny": (tiny_model, {}),
+    "tiny-dspark": (lambda tok: tiny_model(tok, n_mtp_layers=1, compress_ratios=(0, 0, 2, 2, 1, 1, 0),
+                                           dspark_block_size=3), {"loss_draft": 0.5}),
     "tiny-qat": (lambda tok: tiny_model(tok, dtype="fp8", expert_dtype="fp4", dim=128, moe_inter_dim=32),
                  {"qat": True}),
 }
@@ -204,6 +209,14 @@ def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: in
     return new
 
 
+def _draft_forward():
+    try:
+        from functional_dsv41.dspark import dspark_forward
+    except ImportError as e:
+        raise SystemExit(f"--loss_draft > 0 needs functional_dsv41.dspark.dspark_forward ({e})") from None
+    return dspark_forward
+
+
 def _fmt(step: int, total: int, m: dict) -> str:
     parts = " ".join(f"{k[5:]}={v:.4f}" for k, v in m.items() if k.startswith("loss/"))
     return (f"step {step:>5}/{total} | {parts} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
@@ -222,6 +235,15 @@ def _trim_metrics(path: str, upto: int) -> None:
 
 # ----------------------------------------------------------------------------- the loop
 def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
+    """Run training per ``rc`` (see ``_train``); restores torch's thread count afterwards."""
+    prev = torch.get_num_threads()
+    try:
+        return _train(rc, fault=fault)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     """Run training per ``rc``. Returns {"status", "step", "metrics": last metrics, "out"}.
 
     ``fault(step_no, trainable) -> trainable`` is a test hook applied before each step (e.g. to put a
@@ -280,7 +302,8 @@ def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     step_fn = step_mod.make_step(
         cfg, frozen=frozen, dtypes=step_mod.compute_dtypes(cfg, trainable), forward=fd.forward, coefs=rc.coefs,
         mode=mode, adamw=optim.AdamWConfig(rc.b1, rc.b2, 1e-8, rc.weight_decay), clip=rc.clip, pad_id=sp["pad"],
-        forward_kwargs=fkw, draft_forward=getattr(fd, "dspark_forward", None) if rc.loss_draft > 0 else None)
+        forward_kwargs=fkw, draft_forward=_draft_forward() if rc.loss_draft > 0 else None,
+        draft_anchor_stride=rc.draft_anchor_stride)
 
     bar = None
     if rc.progress == "on" or (rc.progress == "auto" and sys.stderr.isatty()):
@@ -292,39 +315,41 @@ def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     log = bar.write if bar is not None else (lambda s: print(s, flush=True))
     m: dict = {}
     status = "ok"
-    with open(metrics_path, "a") as mf:
-        for s in range(start, rc.steps):
-            batch = data.next_batch()
-            if fault is not None:
-                trainable = fault(s, trainable)
-            lr = optim.lr_at(s, peak=rc.lr, warmup=rc.warmup, total=rc.steps, min_ratio=rc.min_lr_ratio)
-            try:
-                trainable, opt_state, m = step_fn(trainable, opt_state, batch, lr=lr, step_no=s + 1)
-            except step_mod.NonFiniteError as e:
-                ck.wait()
-                last = ck.latest_step()
-                msg = (f"STOPPED: {e}. No update was applied. Last good checkpoint: "
-                       f"{'none' if last is None else os.path.join(ck.directory, str(last))}")
-                log(msg)
-                print(msg, file=sys.stderr, flush=True)
-                status = "non_finite"
-                break
-            m = {"step": s + 1, **m, "epoch": data.epoch, "wall": time.perf_counter() - t_start}
-            mf.write(json.dumps(m) + "\n")
-            mf.flush()
-            if (s + 1) % rc.log_every == 0 or s == start:
-                log(_fmt(s + 1, rc.steps, m))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss/total']:.3f}")
-            if rc.ckpt_every > 0 and ((s + 1) % rc.ckpt_every == 0 or s + 1 == rc.steps):
-                ck.save(s + 1, params={**trainable, **{k: v for k, v in frozen.items()
-                                                       if isinstance(v, torch.Tensor)}},
-                        opt_state=opt_state, data_state=data.state(), rng_state=torch.get_rng_state(),
-                        extra={"config": rc.config})
-    if bar is not None:
-        bar.close()
-    ck.close()
+    try:  # on any exit (also Ctrl-C or an exception) let pending async saves finish: they are good states
+        with open(metrics_path, "a") as mf:
+            for s in range(start, rc.steps):
+                batch = data.next_batch()
+                if fault is not None:
+                    trainable = fault(s, trainable)
+                lr = optim.lr_at(s, peak=rc.lr, warmup=rc.warmup, total=rc.steps, min_ratio=rc.min_lr_ratio)
+                try:
+                    trainable, opt_state, m = step_fn(trainable, opt_state, batch, lr=lr, step_no=s + 1)
+                except step_mod.NonFiniteError as e:
+                    ck.wait()
+                    last = ck.latest_step()
+                    msg = (f"STOPPED: {e}. No update was applied. Last good checkpoint: "
+                           f"{'none' if last is None else os.path.join(ck.directory, str(last))}")
+                    log(msg)
+                    print(msg, file=sys.stderr, flush=True)
+                    status = "non_finite"
+                    break
+                m = {"step": s + 1, **m, "epoch": data.epoch, "wall": time.perf_counter() - t_start}
+                mf.write(json.dumps(m) + "\n")
+                mf.flush()
+                if (s + 1) % rc.log_every == 0 or s == start:
+                    log(_fmt(s + 1, rc.steps, m))
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{m['loss/total']:.3f}")
+                if rc.ckpt_every > 0 and ((s + 1) % rc.ckpt_every == 0 or s + 1 == rc.steps):
+                    ck.save(s + 1, params={**trainable, **{k: v for k, v in frozen.items()
+                                                           if isinstance(v, torch.Tensor)}},
+                            opt_state=opt_state, data_state=data.state(), rng_state=torch.get_rng_state(),
+                            extra={"config": rc.config})
+    finally:
+        if bar is not None:
+            bar.close()
+        ck.close()
     result = {"status": status, "step": m.get("step", start), "metrics": m, "out": rc.out}
     if status != "ok":
         return result

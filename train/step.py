@@ -160,12 +160,18 @@ def remat_forward_kwargs(forward: Callable) -> dict:
 
 
 # ----------------------------------------------------------------------------- the step
+def _nonfinite_leaves(tree: Mapping[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in tree.items() if not bool(torch.isfinite(v).all())]
+
+
 def _check_finite(step_no: int, parts: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
-                  gnorm: torch.Tensor) -> None:
+                  gnorm: torch.Tensor, params: Optional[Mapping[str, torch.Tensor]] = None) -> None:
     bad = [k for k, v in parts.items() if not bool(torch.isfinite(v))]
     if bad:
+        bad_p = _nonfinite_leaves(params) if params is not None else []
         raise NonFiniteError(f"step {step_no}: non-finite loss part(s) "
-                             + ", ".join(f"{k}={float(parts[k])}" for k in bad))
+                             + ", ".join(f"{k}={float(parts[k])}" for k in bad)
+                             + (f"; non-finite parameter(s): {', '.join(bad_p[:8])}" if bad_p else ""))
     if not bool(torch.isfinite(gnorm)):
         leaves = [k for k, g in grads.items() if not bool(torch.isfinite(g).all())]
         raise NonFiniteError(f"step {step_no}: non-finite gradient (global norm {float(gnorm)}) in "
@@ -176,7 +182,8 @@ def _check_finite(step_no: int, parts: Mapping[str, torch.Tensor], grads: Mappin
 def make_step(cfg, *, frozen: Mapping[str, object], dtypes: Mapping[str, torch.dtype],
               forward: Callable, coefs: Mapping[str, float], mode: str = "dequant",
               adamw: optim.AdamWConfig = optim.AdamWConfig(), clip: float = 1.0, pad_id: Optional[int] = None,
-              forward_kwargs: Optional[dict] = None, draft_forward: Optional[Callable] = None) -> Callable:
+              forward_kwargs: Optional[dict] = None, draft_forward: Optional[Callable] = None,
+              draft_anchor_stride: int = 1) -> Callable:
     """Build ``step(trainable, opt_state, batch, *, lr, step_no)`` (module docstring)."""
     loss_mod.active(coefs)  # validates the names early
 
@@ -184,17 +191,26 @@ def make_step(cfg, *, frozen: Mapping[str, object], dtypes: Mapping[str, torch.d
         params = assemble(trainable, frozen, dtypes)
         total, parts = loss_mod.compute_losses(params, batch, cfg=cfg, coefs=coefs, forward=forward, mode=mode,
                                                pad_id=pad_id, forward_kwargs=forward_kwargs,
-                                               draft_forward=draft_forward)
+                                               draft_forward=draft_forward,
+                                               draft_anchor_stride=draft_anchor_stride)
         return total, {k: v.detach() for k, v in parts.items()}
 
     gv = grad_and_value(loss_fn, argnums=0, has_aux=True)
 
     def step(trainable, opt_state, batch, *, lr: float, step_no: int):
         t0 = time.perf_counter()
-        grads, (total, parts) = gv(trainable, batch)
+        try:
+            grads, (total, parts) = gv(trainable, batch)
+        except (ValueError, RuntimeError, FloatingPointError) as e:
+            # a non-finite weight can make the forward itself refuse (e.g. a quantizer's scale check)
+            bad = _nonfinite_leaves(trainable)
+            if bad:
+                raise NonFiniteError(f"step {step_no}: non-finite parameter(s) {', '.join(bad[:8])} "
+                                     f"(the forward raised {type(e).__name__}: {e})") from e
+            raise
         parts = {**parts, "total": total.detach()}
         clipped, gnorm = optim.clip_by_global_norm(grads, clip)
-        _check_finite(step_no, parts, grads, gnorm)
+        _check_finite(step_no, parts, grads, gnorm, trainable)
         new_tr, new_opt = optim.adamw_update(clipped, opt_state, trainable, lr=lr, cfg=adamw)
         n_tok = int((batch["labels"] != loss_mod.IGNORE).sum())
         dt = time.perf_counter() - t0
