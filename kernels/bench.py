@@ -154,8 +154,8 @@ def main(argv=None):
     p.add_argument("--only", default="ceilings,attention,gemm,quant")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
-    args.attn_fwd_cfgs = [dict(stages=1), dict(BI=32, stages=3), dict(BI=32, stages=4)]
-    args.attn_bwd_cfgs = [dict(BI=32, DS=1), dict(BI=64, DS=4)]
+    args.attn_fwd_cfgs = [dict(BI=128, stages=1)]
+    args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),
                       dict(async_promote=True, stages=3)]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -143,7 +143,7 @@ def delta_kernel(H: int, D: int, threads: int = 128):
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, DS: int = 2, threads: int = 256):
+def bwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, DS: int = 4, threads: int = 256):
     """dq = bwd(q, kv, do, idx, lse, delta, dkv_acc); dkv_acc (fp32 [B, N, D]) accumulates in place.
 
     The [BI, D] dkv block is built in DS column slices (registers: dq takes BH*D/threads fp32)."""
@@ -225,20 +225,24 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
     return idx.contiguous()
 
 
-def _fwd(q, kv, sink, idx, scale):
+def _fwd(q, kv, sink, idx, scale, block: int = 64):
+    """block 64: the release's blocking, so the bf16 rounding of P matches the reference's; block 128
+    (64-head multiples only): same math, P rounded against other running maxima (1-2 ulp apart on
+    ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape."""
     B, M, H, D = q.shape
-    idx = _pad_idx(idx, 64)
-    k = fwd_kernel(H, D, idx.shape[-1], float(scale))
-    return k(q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx)
+    BI = 128 if (block == 128 and H % 64 == 0) else 64
+    idx = _pad_idx(idx, 128)
+    k = fwd_kernel(H, D, idx.shape[-1], float(scale), BI=BI, stages=1 if BI == 128 else 2)
+    return tuple(k(q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx))
 
 
 def _bwd(q, kv, sink, idx, o, lse, do, scale):
     B, M, H, D = q.shape
-    idx = _pad_idx(idx, 64)
+    idx = _pad_idx(idx, 128)        # as in the forward: same padded slots
     do = do.contiguous()
     delta = delta_kernel(H, D)(o.reshape(B * M, H, D), do.reshape(B * M, H, D)).view(B, M, H)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    dq = bwd_kernel(H, D, idx.shape[-1], float(scale))(q.contiguous(), kv.contiguous(), do, idx, lse, delta, dkv)
+    dq = bwd_kernel(H, D, idx.shape[-1], float(scale), DS=max(1, D // 128))(q.contiguous(), kv.contiguous(), do, idx, lse, delta, dkv)
     p_sink = torch.exp2(sink.float() * LOG2E - lse)              # [B, M, H]
     dsink = -(p_sink * delta).sum((0, 1))
     return dq, dkv.to(kv.dtype), dsink.to(sink.dtype)
@@ -269,16 +273,24 @@ def _(q, kv, attn_sink, topk_idxs, o, lse, do, softmax_scale):
     return q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape)
 
 
+def _plain(t):
+    from torch._C import _functorch as F
+    while F.is_functorch_wrapped_tensor(t):
+        t = F.get_unwrapped(t)
+    return t
+
+
 class _SparseAttn(torch.autograd.Function):
     """fwd/bwd custom ops tied together; the setup_context form is what torch.func transforms need."""
 
+    # forward calls the launcher directly (functorch hands it plain tensors).
     @staticmethod
-    def forward(q, kv, attn_sink, topk_idxs, softmax_scale):
-        return sparse_attn_fwd(q, kv, attn_sink, topk_idxs, softmax_scale)
+    def forward(q, kv, attn_sink, topk_idxs, softmax_scale, block):
+        return _fwd(q, kv, attn_sink, topk_idxs, softmax_scale, block)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, kv, attn_sink, topk_idxs, softmax_scale = inputs
+        q, kv, attn_sink, topk_idxs, softmax_scale, block = inputs
         o, lse = output
         ctx.save_for_backward(q, kv, attn_sink, topk_idxs, o, lse)
         ctx.softmax_scale = softmax_scale
@@ -287,11 +299,16 @@ class _SparseAttn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         q, kv, attn_sink, topk_idxs, o, lse = ctx.saved_tensors
-        dq, dkv, dsink = sparse_attn_bwd(q, kv, attn_sink, topk_idxs, o, lse, grad_o, ctx.softmax_scale)
-        return dq, dkv, dsink, None, None
+        # Under torch.func.grad the tensors here are functorch wrappers without storage, which DLPack
+        # cannot hand to TileLang, and torch 2.11's custom-op autograd wrapper is refused by functorch:
+        # launch on the unwrapped tensors with functorch disabled (plain results are accepted back).
+        with torch._C._DisableFuncTorch():
+            args = [_plain(t) for t in (q, kv, attn_sink, topk_idxs, o, lse, grad_o)]
+            dq, dkv, dsink = _bwd(*args, ctx.softmax_scale)
+        return dq, dkv, dsink, None, None, None
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
                 softmax_scale: float, block: int = 64) -> torch.Tensor:
-    """Same contract as ``reference.sparse_attn`` (``block`` is the release's 64; accepted, fixed)."""
-    return _SparseAttn.apply(q, kv, attn_sink, topk_idxs, float(softmax_scale))[0]
+    """Same contract as ``reference.sparse_attn``; ``block`` 64 (the release's) or 128 (faster, see _fwd)."""
+    return _SparseAttn.apply(q, kv, attn_sink, topk_idxs, float(softmax_scale), int(block))[0]
