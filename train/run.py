@@ -41,7 +41,7 @@ from functional_dsv41.train.tokenizer import CORPUS_TXT, TOKENIZER_JSON, load_to
 @dataclass
 class RunConfig:
     config: str = "tiny"           # model preset (PRESETS) or a path to an inference config.json
-    steps: int = 200
+    steps: int = 150
     batch_size: int = 8
     seq_len: int = 128             # packed row length
     lr: float = 3e-3
