@@ -1,0 +1,60 @@
+"""CPU benchmark: forward (prefill) tokens/s of a small config at sequence lengths 64 .. 4096.
+
+Each query reads at most ``window + index_topk`` KV rows, so the attention part grows linearly with
+the sequence; the indexer's scoring (every query against every visible compressed entry) is the one
+quadratic term, cheap at this size. The table prints the time per token at each length: flat
+(linear total cost) past the window, with the indexer's share growing slowly.
+
+    python benchmarks/forward.py [--lengths 64,128,...] [--batch 1] [--repeat 2] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import functional_dsv41 as fd  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    ap.add_argument("--mode", default="reference", choices=["reference", "dequant"])
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    cfg = fd.Config.tiny(max_seq_len=max(lengths), index_topk=16, window_size=16, candidate_topk_blocks=8)
+    params = fd.init_params(cfg, seed=0)
+    params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    print(f"config: Config.tiny (dim {cfg.dim}, {cfg.n_layers} layers, window {cfg.window_size}, "
+          f"index_topk {cfg.index_topk}), batch {args.batch}, mode {args.mode}, torch threads "
+          f"{torch.get_num_threads()}")
+    print(f"each query reads <= window + top-k = {cfg.window_size + cfg.index_topk} KV rows")
+    print(f"{'seq':>6} {'ms/forward':>11} {'tokens/s':>10} {'us/token':>9} {'vs 64':>6}")
+    base = None
+    gen = torch.Generator().manual_seed(0)
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=gen)
+        fd.forward(params, {"input_ids": ids[:, :min(n, 32)]}, cfg=cfg, mode=args.mode)  # warm up
+        best = float("inf")
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            with torch.no_grad():
+                fd.forward(params, {"input_ids": ids}, cfg=cfg, mode=args.mode)
+            best = min(best, time.perf_counter() - t)
+        per_tok = best / (n * args.batch) * 1e6
+        base = base or per_tok
+        print(f"{n:>6} {best * 1e3:>11.1f} {n * args.batch / best:>10.0f} {per_tok:>9.1f} {per_tok / base:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
