@@ -77,20 +77,25 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
     y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
     experts = p["experts"]
     if dispatch == "sorted":
-        # group token-slots by expert: one GEMM per active expert, accumulation in ascending expert order
+        # group token-slots by expert: one GEMM per active expert ...
+        K = idx_TK.shape[1]
         flat_e = idx_TK.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         counts = torch.bincount(flat_e, minlength=len(experts)).tolist()
-        tok = order // idx_TK.shape[1]
+        tok = order // K
         wts = w_TK.reshape(-1)[order]
-        start = 0
+        outs, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            t = tok[start:start + n]
-            out = expert(x_TD[t], experts[e], wts[start:start + n, None], cfg=cfg, mode=mode, fake=fake_routed)
-            y_TD = y_TD.index_add(0, t, out.float())
-            start += n
+            if n:
+                outs.append(expert(x_TD[tok[start:start + n]], experts[e], wts[start:start + n, None], cfg=cfg,
+                                   mode=mode, fake=fake_routed).float())
+                start += n
+        # ... then back to [T, K] slots, each token's K outputs added in ascending expert order
+        slot_out = torch.cat(outs).new_empty(flat_e.shape[0], x_TD.shape[1])
+        slot_out = slot_out.index_copy(0, order, torch.cat(outs)).view(-1, K, x_TD.shape[1])
+        slot_out = slot_out.gather(1, idx_TK.argsort(-1)[..., None].expand_as(slot_out))
+        for k in range(K):
+            y_TD = y_TD + slot_out[:, k]
     elif dispatch == "dense":
         dense_w_TE = torch.zeros(x_TD.shape[0], len(experts), dtype=torch.float32,
                                  device=x.device).scatter(-1, idx_TK, w_TK)
