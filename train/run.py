@@ -57,6 +57,7 @@ class RunConfig:
     keep_last: int = 2
     out: str = "runs/tiny"
     resume: bool = False
+    overwrite: bool = False        # start afresh in an OUT that holds checkpoints (deletes OUT/ckpt)
     qat: bool = False              # mode="qat": linear() fake-quantises (fp8 / fp4 experts), STE gradients
     mode: str = "dequant"          # forward mode when qat is off
     loss_ce: float = 1.0
@@ -290,7 +291,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         print(f"resumed from {ck.directory}/{start} (data epoch {data.epoch}, row {data.offset})", flush=True)
     elif not rc.resume:
         if ck.latest_step() is not None:
-            raise SystemExit(f"{ck.directory} already holds checkpoints; pass --resume or use another --out")
+            if not rc.overwrite:
+                ck.close()
+                raise SystemExit(f"{ck.directory} already holds checkpoints (step {ck.latest_step()}): pass "
+                                 f"--resume to continue, --overwrite to start afresh, or another --out")
+            ck.close()
+            shutil.rmtree(ck.directory)
+            ck = ckpt_mod.TrainCheckpointer(ck.directory, max_to_keep=rc.keep_last)
         open(metrics_path, "w").close()
 
     n_tr = sum(v.numel() for v in trainable.values())
