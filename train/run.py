@@ -305,7 +305,10 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
           f"trainable params in {len(trainable)} tensors, {len(frozen)} frozen leaves; data "
           f"{data.stats()['rows_per_epoch']} rows/epoch of {rc.seq_len}", flush=True)
     mode = "qat" if rc.qat else rc.mode
-    fkw = step_mod.remat_forward_kwargs(fd.forward) if rc.remat else None
+    try:
+        fkw = step_mod.remat_forward_kwargs(fd.forward) if rc.remat else None
+    except NotImplementedError as e:
+        raise SystemExit(f"--remat: {e}") from None
     step_fn = step_mod.make_step(
         cfg, frozen=frozen, dtypes=step_mod.compute_dtypes(cfg, trainable), forward=fd.forward, coefs=rc.coefs,
         mode=mode, adamw=optim.AdamWConfig(rc.b1, rc.b2, 1e-8, rc.weight_decay), clip=rc.clip, pad_id=sp["pad"],
