@@ -55,6 +55,9 @@ _LAZY = {
     "init_state": "functional_dsv41.state",
     "DecodeState": "functional_dsv41.state",
     "generate": "functional_dsv41.generate",
+    "dspark_forward": "functional_dsv41.dspark",
+    "dspark_draft": "functional_dsv41.dspark",
+    "dspark_prefill": "functional_dsv41.dspark",
 }
 
 

@@ -26,7 +26,7 @@ from . import kernels, quant
 from .compressor import BIG, Chunk, compress
 from .config import Config
 from .indexer import candidate_mask, entry_blocks, fp4_qdq, index_keys, index_scores, select_topk
-from .linear import dequantize, linear, ste
+from .linear import dequantize, linear, qat_format, ste
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
 from .state import AttnCache, SharedAttention
@@ -83,10 +83,11 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     eps = cfg.norm_eps
     rot = rope_angles(cfg, L, chunk.pos)                                    # [b, s, rd/2]
 
-    qr = rms_norm(linear(x, p["wq_a"], mode=mode), p["q_norm"]["weight"], eps)
-    q = linear(qr, p["wq_b"], mode=mode).view(b, s, H, D)
+    fq = qat_format(cfg)
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq), p["q_norm"]["weight"], eps)
+    q = linear(qr, p["wq_b"], mode=mode, fake=fq).view(b, s, H, D)
     q = apply_rope(q, rot[:, :, None, :])
-    kv = rms_norm(linear(x, p["wkv"], mode=mode), p["kv_norm"]["weight"], eps)
+    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq), p["kv_norm"]["weight"], eps)
     kv = fp8_qdq(apply_rope(kv, rot), qdq)
 
     has_past = cache is not None and chunk.start > 0
@@ -139,7 +140,7 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     G = cfg.o_groups
     wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
     u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, G, -1), wo_a)
-    out = linear(u.flatten(2), p["wo_b"], mode=mode)
+    out = linear(u.flatten(2), p["wo_b"], mode=mode, fake=fq)
     return out, new_cache, shared, topk
 
 

@@ -36,7 +36,7 @@ from . import kernels
 from .attention import fp8_qdq
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
-from .linear import dequantize, linear
+from .linear import dequantize, linear, qat_format
 from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
@@ -46,14 +46,14 @@ from .state import AttnCache, DecodeState, config_id
 def main_x(params: dict, main_hidden: torch.Tensor, *, cfg: Config, mode: str = "reference") -> torch.Tensor:
     """main_hidden [b, s, n_targets*dim] bf16 -> RMSNorm(main_norm, W_main main_hidden) [b, s, dim] bf16."""
     p0 = params["mtp"][0]
-    return rms_norm(linear(main_hidden, p0["main_proj"], mode=mode), p0["main_norm"]["weight"], cfg.norm_eps)
+    return rms_norm(linear(main_hidden, p0["main_proj"], mode=mode, fake=qat_format(cfg)), p0["main_norm"]["weight"], cfg.norm_eps)
 
 
 def main_kv(p_attn: dict, mx: torch.Tensor, positions: torch.Tensor, *, cfg: Config, layer_id: int,
             mode: str = "reference", qdq: bool = True) -> torch.Tensor:
     """A stage's KV of main positions: fp8_QDQ(RoPE(RMSNorm_kv(W_kv main_x))). mx [b, s, dim],
     positions int64 [s] or [b, s] -> [b, s, D] bf16 (SPEC §7 "Prefill")."""
-    kv = rms_norm(linear(mx, p_attn["wkv"], mode=mode), p_attn["kv_norm"]["weight"], cfg.norm_eps)
+    kv = rms_norm(linear(mx, p_attn["wkv"], mode=mode, fake=qat_format(cfg)), p_attn["kv_norm"]["weight"], cfg.norm_eps)
     return fp8_qdq(apply_rope(kv, rope_angles(cfg, layer_id, positions)), qdq)
 
 
@@ -117,9 +117,10 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     b, M, _ = x.shape
     H, D = cfg.n_heads, cfg.head_dim
     eps = cfg.norm_eps
-    qr = rms_norm(linear(x, p["wq_a"], mode=mode), p["q_norm"]["weight"], eps)
-    q = apply_rope(linear(qr, p["wq_b"], mode=mode).view(b, M, H, D), rot[:, :, None, :])
-    kv = rms_norm(linear(x, p["wkv"], mode=mode), p["kv_norm"]["weight"], eps)
+    fq = qat_format(cfg)
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq), p["q_norm"]["weight"], eps)
+    q = apply_rope(linear(qr, p["wq_b"], mode=mode, fake=fq).view(b, M, H, D), rot[:, :, None, :])
+    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq), p["kv_norm"]["weight"], eps)
     kv = fp8_qdq(apply_rope(kv, rot), qdq)
     kv_all = torch.cat([kv_all, kv], 1)
     o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
@@ -129,7 +130,7 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     G = cfg.o_groups
     wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
     u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, M, G, -1), wo_a)
-    return linear(u.flatten(2), p["wo_b"], mode=mode)
+    return linear(u.flatten(2), p["wo_b"], mode=mode, fake=qat_format(cfg))
 
 
 def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,

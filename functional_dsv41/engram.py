@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from functional_dsv41 import invariant, quant
-from functional_dsv41.linear import linear
+from functional_dsv41.linear import linear, qat_format
 from functional_dsv41.pytree import register_carrier
 
 DEAD = -1          # compressed id of an image token: breaks every n-gram through it
@@ -319,7 +319,7 @@ def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
     if layer_id is not None:
         validate_table(p["embed"], cfg=cfg, layer_id=layer_id)
     e = lookup(p["embed"]["weight"], p["embed"].get("scale"), ids, check=check)  # [B, S, C*D] bf16
-    kv = linear(e, p["wkv"], mode=mode).to(torch.bfloat16)                 # [B, S, (N+1)*M]
+    kv = linear(e, p["wkv"], mode=mode, fake=qat_format(cfg)).to(torch.bfloat16)                 # [B, S, (N+1)*M]
     key_BSNM = kv[..., :N * M].unflatten(-1, (N, M)).float()
     value_BSM = kv[..., N * M:]
     h32 = h.float()

@@ -9,9 +9,11 @@
   - ``mode="dequant"``: weight dequantised to x's dtype, plain matmul (differentiable w.r.t. x).
 - bf16/fp32 weights: ``F.linear(x, W)`` in x's dtype (the reference's default Linear); the caller
   casts x first where the release computes in fp32 (router, compressor of ratio 2, heads).
-- ``mode="qat"``: training fake-quant. Float master weights go through fp8 32x32 (or, with
-  ``fake="fp4"``, fp4 1x32) weight QDQ and activations through fp8 1x32 QDQ, with straight-through
-  gradients.
+- ``mode="qat"``: training fake-quant. Where the caller passes ``fake="fp8"`` (the layers the release
+  stores in fp8: ``qat_format(cfg, "dense")``) or ``fake="fp4"`` (routed experts), float master weights
+  go through that storage format's QDQ and activations through fp8 1x32 QDQ, with straight-through
+  gradients; ``fake=None`` (bf16 layers of the release: compressor, indexer keys, router...) is a
+  plain matmul.
 """
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ from functional_dsv41 import kernels, quant
 from functional_dsv41.invariant import linear_rows
 
 MODES = ("reference", "dequant", "qat")
+
+
+def qat_format(cfg, kind: str = "dense") -> str | None:
+    """The fake-quant format of a layer kind under ``mode="qat"``: how the config stores it."""
+    fmt = cfg.dtype if kind == "dense" else cfg.experts_dtype
+    return fmt if fmt in ("fp8", "fp4") else None
 
 
 def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,7 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
 def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeState] = None,
             return_hidden: bool = False, mode: str = "reference", impl: str | None = None,
             dispatch: str = "sorted", qdq: bool = True, validate: bool = True, aux: bool = False,
-            debug: dict | None = None) -> ForwardOutput:
+            block_wrapper=None, debug: dict | None = None) -> ForwardOutput:
     """Run the backbone on a chunk. See the module docstring; DESIGN.md "Public API".
 
     params: the parameter tree (``fd.load_params`` / ``fd.init_params``); batch: {"input_ids" int64
@@ -152,8 +152,9 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     ``qdq=False``: no activation quantisation (a smooth model for gradient checks). ``validate=False``
     skips the data-dependent input checks (needed under ``torch.func.vmap``). ``aux=True``: also return
     ``out.aux["indexer"][L] = {"teacher", "student", "valid"}`` per index-source layer (the indexer
-    KL loss, ``attention.indexer_kl_terms``). ``debug``: a dict to receive intermediate tensors keyed
-    like the golden files.
+    KL loss, ``attention.indexer_kl_terms``). ``block_wrapper``: applied to the per-block function
+    (``block_wrapper(block)(p, h, pre, ...)``), e.g. activation checkpointing (``train.step.remat``).
+    ``debug``: a dict to receive intermediate tensors keyed like the golden files.
     """
     if validate:
         _check_inputs(params, batch, cfg, state)
@@ -187,6 +188,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     caches = list(state.layers) if state is not None else [None] * cfg.n_layers
     main_hidden, hidden, pre_mix = [], {}, {}
     aux_indexer = {} if aux else None
+    run_block = block if block_wrapper is None else block_wrapper(block)
     for L in cfg.layer_ids:
         p = params["layers"][L]
         e = cfg.engram_index(L)
@@ -198,7 +200,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
         if L in cfg.dspark_target_layer_ids:
             main_hidden.append(h.mean(dim=2))
         layer_aux = {} if aux else None
-        h, pre, caches[L], shared = block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L],
+        h, pre, caches[L], shared = run_block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L],
                                           shared=shared, image_mask=image_mask, mode=mode, impl=impl,
                                           dispatch=dispatch, qdq=qdq, debug=debug, aux=layer_aux)
         if layer_aux:

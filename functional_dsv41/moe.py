@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .config import Config
 from . import invariant
-from .linear import linear
+from .linear import linear, qat_format
 
 
 def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_mask_T: torch.Tensor | None = None):
@@ -73,7 +73,7 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
     x_TD = x.reshape(-1, shape[-1])
     im_T = image_mask.reshape(-1) if image_mask is not None else None
     w_TK, idx_TK = route(x_TD, p["gate"], cfg=cfg, layer_id=layer_id, image_mask_T=im_T)
-    fake_routed = "fp4" if cfg.experts_dtype == "fp4" else "fp8"
+    fake_routed = qat_format(cfg, "experts")
     y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
     experts = p["experts"]
     if dispatch == "sorted":
@@ -105,6 +105,6 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
     else:
         raise ValueError(f"moe: dispatch must be 'sorted' or 'dense', got {dispatch!r}")
     if "shared_experts" in p:
-        y_TD = y_TD + expert(x_TD, p["shared_experts"], None, cfg=cfg, mode=mode, fake="fp8").float()
+        y_TD = y_TD + expert(x_TD, p["shared_experts"], None, cfg=cfg, mode=mode, fake=qat_format(cfg)).float()
     y = y_TD.to(x.dtype).reshape(shape)
     return (y, (w_TK, idx_TK)) if return_routing else y

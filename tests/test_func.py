@@ -111,3 +111,30 @@ def test_indexer_kl_terms_reach_the_indexer():
     for L in cfg.index_source_layers:
         assert g[f"layers.{L}.attn.indexer.wq_b.weight"].abs().max() > 0, L
         assert g[f"layers.{L}.attn.indexer.weights_proj.weight"].abs().max() > 0, L
+
+
+def test_qat_fake_quantises_fp8_layers_and_remat_keeps_gradients():
+    """mode="qat" on float master weights: every layer the release stores in fp8/fp4 is fake-quantised
+    (straight-through), so QAT differs from dequant; per-block activation checkpointing changes nothing."""
+    from functional_dsv41.linear import fake_quant_weight, qat_format
+    from functional_dsv41.train.step import remat
+    cfg = fd.Config.tiny(dtype="fp8", expert_dtype="fp4", max_seq_len=32)
+    params = fd.init_params(cfg, seed=5, master=True)
+    params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    assert qat_format(cfg) == "fp8" and qat_format(cfg, "experts") == "fp4"
+    assert qat_format(fd.Config.tiny()) is None
+    w = params["layers"][0]["attn"]["wq_a"]["weight"]
+    assert not torch.equal(fake_quant_weight(w, "fp8"), w)
+    train, frozen = split(params)
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
+
+    def loss(tr, mode, wrapper=None):
+        p = unflatten_from_paths({**frozen, **tr})
+        return fd.forward(p, {"input_ids": ids}, cfg=cfg, mode=mode, block_wrapper=wrapper).logits.square().mean()
+
+    assert not torch.equal(loss(train, "qat"), loss(train, "dequant"))
+    g_plain = grad(loss)(train, "qat")
+    g_remat = grad(loss)(train, "qat", remat)
+    assert g_plain["layers.0.attn.wq_a.weight"].abs().max() > 0
+    for k in g_plain:
+        torch.testing.assert_close(g_remat[k], g_plain[k], atol=0, rtol=0)

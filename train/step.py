@@ -84,7 +84,10 @@ def assemble(trainable: Mapping[str, torch.Tensor], frozen: Mapping[str, object]
 class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(run, n_in, *tensors):
-        return run(*tensors)
+        ids = {id(t) for t in tensors}
+        # an input passed straight through (e.g. a KV tensor another layer published) must come back as
+        # a view, or autograd refuses to save it
+        return tuple(o.view_as(o) if id(o) in ids else o for o in run(*tensors))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
