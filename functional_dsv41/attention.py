@@ -136,12 +136,20 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
         aux.update(indexer_kl_terms(q, kv_all, p["attn_sink"], idx, topk, student, D ** -0.5))
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
+    return output_projection(p, o, rot, cfg=cfg, mode=mode), new_cache, shared, topk
+
+
+def output_projection(p: dict, o: torch.Tensor, rot: torch.Tensor, *, cfg: Config, mode: str = "reference"):
+    """o [b, s, H, D] (sparse_attn output) -> [b, s, dim]: de-rotate the RoPE tail at the query positions
+    (rot [b, s, rd/2]), then the grouped low-rank projection: heads in ``o_groups`` groups of consecutive
+    heads, ``u_g = W_oa[g] o_g`` (bf16, wo_a always dequantised as the release's convert.py does),
+    ``out = W_ob concat_g(u_g)``."""
+    b, s = o.shape[:2]
     o = apply_rope(o, rot[:, :, None, :], inverse=True)
     G = cfg.o_groups
     wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
     u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, G, -1), wo_a)
-    out = linear(u.flatten(2), p["wo_b"], mode=mode, fake=fq)
-    return out, new_cache, shared, topk
+    return linear(u.flatten(2), p["wo_b"], mode=mode, fake=qat_format(cfg))
 
 
 def indexer_kl_terms(q, kv_all, sink, idx, topk, student, scale) -> dict:

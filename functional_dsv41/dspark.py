@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .attention import fp8_qdq
+from .attention import fp8_qdq, output_projection
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
-from .linear import dequantize, linear, qat_format
+from .linear import linear, qat_format
 from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
@@ -126,11 +126,7 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
-    o = apply_rope(o, rot[:, :, None, :], inverse=True)
-    G = cfg.o_groups
-    wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
-    u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, M, G, -1), wo_a)
-    return linear(u.flatten(2), p["wo_b"], mode=mode, fake=qat_format(cfg))
+    return output_projection(p, o, rot, cfg=cfg, mode=mode)
 
 
 def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,

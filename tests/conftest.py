@@ -43,6 +43,16 @@ def cosine_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - 2 * (x * y).sum() / den)
 
 
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread: multithreaded CPU matmuls sum in another order, and some tests
+    compare against the reference bit for bit."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

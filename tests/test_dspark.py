@@ -21,12 +21,7 @@ from conftest import cosine_diff, fixture_dir, golden
 INT_KEYS = ("sparse_idx", "gate_idx")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _load(name):
