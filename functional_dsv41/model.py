@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import engram as engram_mod
+from . import vision
 from .attention import attention
 from .compressor import Chunk
 from .config import Config
@@ -119,8 +120,6 @@ def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[Decode
         if hc is None or tuple(hc.shape) != (cfg.n_hc_mix, cfg.hc_dim):
             raise ValueError(f"forward: params do not match the config at layers.{L}.hc_attn_fn: "
                              f"{None if hc is None else tuple(hc.shape)}, expected {(cfg.n_hc_mix, cfg.hc_dim)}")
-    if "images" in batch:
-        raise NotImplementedError("forward: image inputs (the vision tower) are not implemented yet")
 
 
 def make_chunk(batch: dict, start: int, device) -> Chunk:
@@ -147,8 +146,11 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
 
     params: the parameter tree (``fd.load_params`` / ``fd.init_params``); batch: {"input_ids" int64
     [b, s], optional "positions" [b, s] (packed samples), optional "token_types" [b, s] (>= 0: image
-    span)}; state: a DecodeState (``fd.init_state``) or None. ``mode``: linear() mode ("reference",
-    "dequant", "qat"). ``dispatch``: MoE formulation ("sorted" scales; "dense" works under vmap).
+    span), optional "images": one entry per row, None or a list of ``(patches bf16 [n_vit_h*n_vit_w, 3,
+    14, 14], (n_vit_h, n_vit_w))`` in span order (``image_processor.load_image``; needs token_types and a
+    chunk at position 0; see ``vision``)}; state: a DecodeState (``fd.init_state``) or None.
+    ``mode``: linear() mode ("reference", "dequant", "qat"). ``dispatch``: MoE formulation ("sorted"
+    scales; "dense" works under vmap).
     ``qdq=False``: no activation quantisation (a smooth model for gradient checks). ``validate=False``
     skips the data-dependent input checks (needed under ``torch.func.vmap``). ``aux=True``: also return
     ``out.aux["indexer"][L] = {"teacher", "student", "valid"}`` per index-source layer (the indexer
@@ -177,6 +179,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
                                             positions=batch.get("positions"), check=validate)
 
     h = F.embedding(ids, params["embed"]["weight"])
+    if batch.get("images") is not None:       # SPEC §1/§12: overwrite image spans (chunk at 0 only)
+        h = vision.merge_image_embeddings(params, h, batch, cfg=cfg, start=start, debug=debug)
     if debug is not None:
         debug["embed"] = h
         if ng_ids is not None:

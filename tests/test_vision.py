@@ -1,0 +1,258 @@
+"""Vision tower, aligner, preprocessing and image-span merge (SPEC §12) against the tiny-vl golden run.
+
+Figures (CPU): preprocessing patches, vit_out, aligner_out and the merged prefill.embed equal the
+reference bit for bit; every block output too; tolerances asserted are DESIGN.md's (tiny-vl is an fp8
+config: cosine diff < 1e-3 per block, top-k sets and expert choices exact, logits max-abs
+< 2e-2 * max|logit| with equal argmax).
+"""
+import pytest
+import torch
+
+import functional_dsv41 as fd
+from functional_dsv41 import image_processor as ip
+from functional_dsv41 import vision
+
+from conftest import cosine_diff, fixture_dir, golden
+
+NAME = "tiny-vl"
+_CACHE = {}
+
+
+def setup():
+    if "p" not in _CACHE:
+        d = fixture_dir(NAME)
+        cfg = fd.Config.from_json(d / "config.json")
+        _CACHE["p"] = cfg, fd.load_params(d, cfg), golden(NAME)
+    return _CACHE["p"]
+
+
+def images_of(g, b):
+    """batch["images"] from the golden per-image tensors: row_start [row, pos] says where each one goes."""
+    rows = [None] * b
+    i = 0
+    while f"image.{i}.patches" in g:
+        r = int(g[f"image.{i}.row_start"][0])
+        rows[r] = (rows[r] or []) + [(g[f"image.{i}.patches"], tuple(g[f"image.{i}.grid"].tolist()))]
+        i += 1
+    return rows
+
+
+def vl_batch(g, P):
+    return {"input_ids": g["input_ids"][:, :P], "token_types": g["token_types"][:, :P],
+            "images": images_of(g, g["input_ids"].shape[0])}
+
+
+def prefill():
+    if "prefill" not in _CACHE:
+        cfg, params, g = setup()
+        P = int(g["prefill_len"])
+        dbg = {}
+        st = fd.init_state(cfg, 2, cfg.max_seq_len)
+        out = fd.forward(params, vl_batch(g, P), cfg=cfg, state=st, return_hidden=True, debug=dbg)
+        _CACHE["prefill"] = out, dbg
+    return _CACHE["prefill"]
+
+
+def report(name, ours, ref):
+    d = (ours.float() - ref.float()).abs().max().item()
+    c = cosine_diff(ours, ref)
+    print(f"{name}: max-abs {d:.3g} cosine diff {c:.2e} bit-exact {torch.equal(ours, ref)}")
+    return d, c
+
+
+# --------------------------------------------------------------------------------------- preprocessing
+def test_preprocess_png_matches_golden_patches():
+    cfg, _, g = setup()
+    patches, grid = ip.load_image(bytes(g["image.0.png"].tolist()), cfg)
+    assert grid == tuple(g["image.0.grid"].tolist())
+    assert patches.dtype == torch.bfloat16 and patches.shape == g["image.0.patches"].shape
+    assert torch.equal(patches, g["image.0.patches"])
+    assert torch.equal(ip.span_types(*grid, cfg.vision_downsample_ratio), g["image.0.types"])
+
+
+def test_expand_image_tokens_matches_golden_layout():
+    cfg, _, g = setup()
+    r, a = g["image.0.row_start"].tolist()
+    n = g["image.0.types"].numel()
+    ids = g["input_ids"][r, :a].tolist() + [cfg.image_token_id] + g["input_ids"][r, a + n:41].tolist()
+    ids2, types = ip.expand_image_tokens(ids, [tuple(g["image.0.grid"].tolist())], cfg)
+    assert torch.equal(ids2, g["input_ids"][r, :41]) and torch.equal(types, g["token_types"][r])
+    with pytest.raises(ValueError, match="images but"):
+        ip.expand_image_tokens(ids, [(5, 7), (5, 7)], cfg)
+
+
+def test_plan_and_resize_basics():
+    cfg, _, _ = setup()
+    plan = ip.plan_image_grid(84, 56, cfg)
+    assert (plan["n_vit_h"], plan["n_vit_w"], plan["n_llm_h"], plan["n_llm_w"], plan["n_tokens"]) == (5, 7, 2, 3, 10)
+    big = ip.plan_image_grid(4000, 1000, cfg)                  # over the token budget: shrunk to fit
+    assert big["n_tokens"] <= cfg.vision_max_n_token and big["n_vit_w"] > big["n_vit_h"]
+    img = torch.randint(0, 256, (9, 13, 3), dtype=torch.uint8).numpy()
+    assert (ip.resize_bicubic(img, (13, 9)) == img).all()        # identity size: untouched
+    flat = torch.full((9, 13, 3), 77, dtype=torch.uint8).numpy()
+    assert (ip.resize_bicubic(flat, (20, 5)) == 77).all()          # normalised kernels keep constants
+    out = ip.pad_to(flat, 28, 28)
+    assert out.shape == (28, 28, 3) and (out[0] == ip.PAD_COLOR).all()
+
+
+# --------------------------------------------------------------------------------------- ViT + aligner
+def test_vit_and_aligner_match_golden():
+    cfg, params, g = setup()
+    grid = tuple(g["image.0.grid"].tolist())
+    feats = vision.vit(params["vision"], g["image.0.patches"], grid, cfg=cfg)
+    d, c = report("vit_out", feats, g["prefill.image.0.vit_out"])
+    assert c < 1e-4 and d <= 2e-2 * g["prefill.image.0.vit_out"].float().abs().max()
+    assert torch.equal(feats, g["prefill.image.0.vit_out"])        # bit-exact today on CPU
+    rows = vision.aligner(params["aligner"], g["prefill.image.0.vit_out"], grid, cfg=cfg)   # teacher-forced
+    d, c = report("aligner_out", rows, g["prefill.image.0.aligner_out"])
+    assert c < 1e-4
+    assert torch.equal(rows, g["prefill.image.0.aligner_out"])
+
+
+def test_vision_rope_is_rotate_half_2d():
+    cfg, _, _ = setup()
+    cos, sin = vision.vision_cos_sin(2, 3, cfg=cfg)
+    d = cfg.vision_dim // cfg.vision_n_heads // 2
+    assert cos.shape == (6, d)
+    # patch (r=1, c=2) is row-major index 5: first half rows the r angles, second half the c angles
+    inv = 1.0 / cfg.vision_rope_theta ** (torch.arange(0, d, 2).float() / d)
+    torch.testing.assert_close(cos[5], torch.cat([(1 * inv).cos(), (2 * inv).cos()]))
+    x = torch.randn(6, 2, 2 * d).to(torch.bfloat16)
+    y = vision.apply_vision_rope(x, cos, sin)
+    torch.testing.assert_close(y.float().norm(dim=-1), x.float().norm(dim=-1), rtol=1e-2, atol=1e-2)
+    assert torch.equal(y[0], x[0])                                  # patch (0, 0): no rotation
+
+
+# -------------------------------------------------------------------------------------------- forward
+def test_prefill_vl_every_block():
+    cfg, params, g = setup()
+    out, dbg = prefill()
+    assert torch.equal(dbg["image.0.vit_out"], g["prefill.image.0.vit_out"])
+    assert torch.equal(dbg["image.0.aligner_out"], g["prefill.image.0.aligner_out"])
+    assert torch.equal(dbg["embed"], g["prefill.embed"])            # spans merged exactly
+    worst = 0.0
+    for L in cfg.layer_ids:
+        for key in ("h", "pre_mix", "attn_out", "ffn_out"):
+            c = cosine_diff(dbg[f"layer.{L}.{key}"], g[f"prefill.layer.{L}.{key}"])
+            worst = max(worst, c)
+            assert c < 1e-3, f"layer {L} {key}: cosine diff {c:.2e}"
+        assert torch.equal(dbg[f"layer.{L}.gate_idx"], g[f"prefill.layer.{L}.gate_idx"]), f"layer {L} experts"
+        if f"prefill.layer.{L}.engram_out" in g:
+            assert cosine_diff(dbg[f"layer.{L}.engram_out"], g[f"prefill.layer.{L}.engram_out"]) < 1e-3
+    assert torch.equal(out.engram_ids, g["prefill.engram_hash"])
+    print(f"tiny-vl prefill: worst per-block cosine diff {worst:.1e}")
+
+
+def test_prefill_vl_topk_and_logits():
+    cfg, params, g = setup()
+    out, _ = prefill()
+    P = int(g["prefill_len"])
+    for L in cfg.index_source_layers:
+        ref = g[f"prefill.layer.{L}.topk_idxs"].long()
+        ours = torch.where(out.topk[L] >= 0, out.topk[L] + P, -1)
+        assert torch.equal(ours.sort(-1).values, ref.sort(-1).values), f"layer {L} top-k sets differ"
+    c = cfg.candidate_source_layer
+    assert torch.equal(out.candidates.to(torch.uint8), g[f"prefill.layer.{c}.candidates"])
+    lg, ref = out.logits[:, -1], g["prefill.logits"]
+    d, _ = report("prefill logits", lg, ref)
+    assert d < 2e-2 * ref.abs().max()
+    assert torch.equal(lg.argmax(-1), g["prefill.out_ids"])
+
+
+def test_decode_after_vl_prefill():
+    cfg, params, g = setup()
+    out, _ = prefill()
+    P = int(g["prefill_len"])
+    st = out.state
+    for k in range(g["input_ids"].shape[1] - P):
+        o = fd.forward(params, {"input_ids": g["input_ids"][:, P + k:P + k + 1]}, cfg=cfg, state=st)
+        st = o.state
+        lg, ref = o.logits[:, -1], g[f"decode.{k}.logits"]
+        d = (lg - ref).abs().max().item()
+        assert d < 2e-2 * ref.abs().max(), f"decode {k}: max-abs {d:.3g}"
+        assert torch.equal(lg.argmax(-1), g[f"decode.{k}.out_ids"]), f"decode {k}: argmax"
+    print(f"decode after VL prefill: last step max-abs {d:.3g}")
+
+
+def test_chunked_prefill_after_image_chunk():
+    """Image spans in the first chunk, text in the next: same logits as one prefill (golden prefill_logits)."""
+    cfg, params, g = setup()
+    P = int(g["prefill_len"])
+    k = 3
+    n = P + k + 1                                            # the prefix decode.{k}.prefill_logits covers
+    ids = g["input_ids"][:, :n]
+    tt = torch.cat([g["token_types"], torch.full((2, k + 1), -1, dtype=torch.long)], 1)
+    st = fd.init_state(cfg, 2, cfg.max_seq_len)
+    cut = 20
+    o = fd.forward(params, {"input_ids": ids[:, :cut], "token_types": tt[:, :cut],
+                            "images": images_of(g, 2)}, cfg=cfg, state=st)
+    o = fd.forward(params, {"input_ids": ids[:, cut:], "token_types": tt[:, cut:]}, cfg=cfg, state=o.state)
+    lg, ref = o.logits[:, -1], g[f"decode.{k}.prefill_logits"]
+    d, _ = report("chunked VL prefill logits", lg, ref)
+    assert d < 2e-2 * ref.abs().max()
+    assert torch.equal(lg.argmax(-1), ref.argmax(-1))
+
+
+def test_merge_is_differentiable_wrt_vision_params():
+    cfg, params, g = setup()
+    grid = tuple(g["image.0.grid"].tolist())
+    vp = {"vision": params["vision"], "aligner": params["aligner"]}
+
+    def f(vp):
+        rows = vision.encode_image(vp, g["image.0.patches"], grid, cfg=cfg)
+        return rows.float().square().sum()
+
+    grads = torch.func.grad(f)(vp)
+    gw = grads["vision"]["blocks"][0]["attn"]["wqkv"]["weight"]
+    assert gw.shape == params["vision"]["blocks"][0]["attn"]["wqkv"]["weight"].shape and gw.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_image_inputs():
+    cfg, params, g = setup()
+    P = int(g["prefill_len"])
+    b = vl_batch(g, P)
+    img = b["images"][0][0]
+    # images without token_types
+    with pytest.raises(ValueError, match="no 'token_types'"):
+        fd.forward(params, {"input_ids": b["input_ids"], "images": b["images"]}, cfg=cfg)
+    # images in a chunk that does not start at position 0
+    st = fd.forward(params, {"input_ids": b["input_ids"][:, :4]}, cfg=cfg,
+                    state=fd.init_state(cfg, 2, cfg.max_seq_len)).state
+    with pytest.raises(ValueError, match="position 0"):
+        fd.forward(params, {"input_ids": b["input_ids"][:, 4:], "token_types": b["token_types"][:, 4:],
+                            "images": b["images"]}, cfg=cfg, state=st)
+    # a patch grid whose token count does not match the span
+    with pytest.raises(ValueError, match="does not fit"):
+        fd.forward(params, dict(b, images=[[(img[0][:30], (5, 6))], None]), cfg=cfg)
+    with pytest.raises(ValueError, match="does not fit"):
+        fd.forward(params, dict(b, images=[[(img[0], (7, 5))], None]), cfg=cfg)   # 3x2 cells: 3*(2+1)+2 = 11
+    # patches inconsistent with the grid
+    with pytest.raises(ValueError, match="do not match grid"):
+        fd.forward(params, dict(b, images=[[(img[0][:34], (5, 7))], None]), cfg=cfg)
+    # image count vs spans
+    with pytest.raises(ValueError, match="1 image spans in token_types but 0 images"):
+        fd.forward(params, dict(b, images=[None, None]), cfg=cfg)
+    with pytest.raises(ValueError, match="row 1 has 0 image spans in token_types but 1 images"):
+        fd.forward(params, dict(b, images=[[img], [img]]), cfg=cfg)
+    with pytest.raises(ValueError, match="one entry per row"):
+        fd.forward(params, dict(b, images=[[img]]), cfg=cfg)
+    # a span cut by the chunk end
+    with pytest.raises(ValueError, match="does not end in this chunk"):
+        fd.forward(params, {"input_ids": b["input_ids"][:, :10], "token_types": b["token_types"][:, :10],
+                            "images": b["images"]}, cfg=cfg)
+    # span positions must carry the image token id
+    bad_ids = b["input_ids"].clone()
+    bad_ids[0, 7] = 3
+    with pytest.raises(ValueError, match="image_token_id"):
+        fd.forward(params, dict(b, input_ids=bad_ids), cfg=cfg)
+
+
+def test_text_only_rows_unchanged_by_images_key():
+    """images=[None, None] with all-TEXT types is the text forward, bit for bit."""
+    cfg, params, g = setup()
+    ids = g["input_ids"][:, 15:27]
+    tt = torch.full_like(ids, -1)
+    a = fd.forward(params, {"input_ids": ids, "token_types": tt}, cfg=cfg).logits
+    b = fd.forward(params, {"input_ids": ids, "token_types": tt, "images": [None, None]}, cfg=cfg).logits
+    assert torch.equal(a, b)
