@@ -175,3 +175,18 @@ class TestBadInput:
     def test_bad_positions(self):
         with pytest.raises(ValueError, match="positions must count"):
             self.fwd({"input_ids": torch.ones(1, 4, dtype=torch.long), "positions": torch.tensor([[0, 1, 3, 4]])})
+
+
+def test_topk_ties_resolve_to_the_lower_index():
+    """Selection must not depend on row length: ties (frequent in bf16 scores, including -0 vs +0) go
+    to the lower index, as a stable descending sort would order them."""
+    from functional_dsv41.indexer import _topk_first, select_topk
+    x = torch.tensor([[0.5, -0.0, 0.5, float("-inf"), 0.0, 0.25, 0.5, -1.0]], dtype=torch.bfloat16)
+    v, i = _topk_first(x, 5)
+    assert i.tolist() == [[0, 2, 6, 5, 1]]
+    g = torch.Generator().manual_seed(0)
+    y = (torch.randn(4, 9, 300, generator=g) * 4).round().bfloat16()     # many exact ties
+    ref = y.float().sort(dim=-1, descending=True, stable=True).indices[..., :37]
+    assert torch.equal(_topk_first(y, 37).indices, ref)
+    # a shorter row (fewer visible entries) picks the same entries among its own
+    assert torch.equal(select_topk(y[..., :200], 37), select_topk(torch.cat([y[..., :200], torch.full_like(y[..., :100], float("-inf"))], -1), 37))
