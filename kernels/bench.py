@@ -148,10 +148,38 @@ def quantizers(results, args):
     results.append(row("act_quant torch reference", bench(lambda: Q.act_quant(x)), None, by))
 
 
+def fp4_hc(results, args):
+    """fp4_act_quant at the indexer ([M, 512], e8m0/32) and compressed-KV ([32M, 128], e4m3/16) shapes;
+    hc_split_sinkhorn [M, 24] forward and forward+backward (GB/s: mixes read + outputs written once)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import fp4_quant_tl as fq
+    from functional_dsv41.kernels.tilelang import hc_sinkhorn_tl as hs
+    for (r, n, bs, sd) in ((args.m, 512, 32, Q.E8M0), (args.m * 32, 128, 16, Q.FP8)):
+        x = torch.randn(r, n, device="cuda").bfloat16()
+        by = x.numel() * 2 + x.numel() // 2 + x.numel() // bs
+        print(f"-- fp4_act_quant [{r}, {n}] bf16 -> e2m1 + {sd}/{bs}", flush=True)
+        results.append(row(f"fp4_act_quant [{r},{n}] /{bs} tilelang", bench(lambda: fq.fp4_act_quant(x, bs, sd)), None, by))
+        results.append(row(f"fp4_act_quant [{r},{n}] /{bs} torch reference", bench(lambda: Q.fp4_act_quant(x, bs, sd)), None, by))
+    m = torch.randn(args.m, 24, device="cuda") * 2
+    sc, bb = torch.tensor([0.5, 0.7, 1.3], device="cuda"), torch.randn(24, device="cuda")
+    by = m.numel() * 4 + args.m * 24 * 4
+    print(f"-- hc_split_sinkhorn [{args.m}, 24], hc 4, 20 iterations", flush=True)
+    results.append(row("hc_split_sinkhorn fwd tilelang", bench(lambda: hs.hc_split_sinkhorn(m, sc, bb)), None, by))
+    results.append(row("hc_split_sinkhorn fwd torch reference", bench(lambda: reference.hc_split_sinkhorn(m, sc, bb)), None, by))
+    mg, scg, bg = (t.clone().requires_grad_() for t in (m, sc, bb))
+
+    def fb(fn):
+        pre, post, comb = fn(mg, scg, bg)
+        torch.autograd.grad((pre.sum(), post.sum(), comb.sum()), (mg, scg, bg))
+    results.append(row("hc_split_sinkhorn fwd+bwd tilelang/torch-bwd", bench(lambda: fb(hs.hc_split_sinkhorn)), None, by))
+    results.append(row("hc_split_sinkhorn fwd+bwd torch reference", bench(lambda: fb(reference.hc_split_sinkhorn)), None, by))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, default=4096, help="queries / GEMM rows (release prefill 4096)")
-    p.add_argument("--only", default="ceilings,attention,gemm,quant")
+    p.add_argument("--only", default="ceilings,attention,gemm,quant,fp4hc")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     args.attn_fwd_cfgs = [dict(BI=128, stages=1)]
@@ -168,7 +196,8 @@ def main(argv=None):
     results = []
     for part in args.only.split(","):
         try:
-            {"ceilings": ceilings, "attention": attention, "gemm": gemms, "quant": quantizers}[part](results, args) \
+            {"ceilings": ceilings, "attention": attention, "gemm": gemms, "quant": quantizers,
+             "fp4hc": fp4_hc}[part](results, args) \
                 if part != "ceilings" else ceilings(results)
         except Exception as e:
             import traceback

@@ -251,3 +251,125 @@ def test_auto_picks_tilelang_on_cuda():
     from functional_dsv41.kernels import tilelang as tl
     assert K.resolve("sparse_attn", "auto", on_cuda=True) is tl.sparse_attn
     assert K.resolve("sparse_attn", "auto", on_cuda=False) is K.reference.sparse_attn
+
+
+# ----------------------------------------------------------------------------- fp4 activation quant (bit-exact)
+def _fp4_input(shape, bs, seed=11):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(shape, device=DEV, generator=g)
+    e = torch.randint(-40, 40, x.shape[:-1] + (x.shape[-1] // bs, 1), device=DEV, generator=g).float()
+    x = (x * torch.exp2(e).expand(*x.shape[:-1], -1, bs).flatten(-2)).bfloat16()
+    flat = x.view(-1)
+    n = min(flat.numel(), 4 * bs)
+    # exact code ties, signed zeros, subnormals, the clamp edge, an all-zero block, a tiny block
+    special = torch.tensor([0.25, 0.75, 1.25, -1.75, 2.5, -3.5, 5.0, 6.0, -0.0, 0.0, 1e-40, -1e-40, -6.0,
+                            0.5, 3.0, -4.0] * 8, device=DEV).bfloat16()
+    flat[:min(n, bs)] = special[:min(n, bs)]
+    if n >= 2 * bs:
+        flat[bs:2 * bs] = 0.0
+    if n >= 3 * bs:
+        flat[2 * bs:3 * bs] = torch.randn(bs, device=DEV, generator=g).bfloat16() * 1e-30
+    return x
+
+
+FP4_CASES = [  # shape, block, scale dtype
+    ((4096, 512), 32, "e8m0"), ((4096 * 32, 128), 16, "e4m3"),
+    ((7, 96), 32, "e8m0"), ((3, 5, 64), 16, "e4m3"), ((1, 32), 32, "e8m0"), ((5, 48), 16, "e4m3"),
+]
+
+
+@pytest.mark.parametrize("shape,bs,sd", FP4_CASES, ids=lambda c: str(c).replace(" ", ""))
+def test_fp4_act_quant_bit_exact(shape, bs, sd):
+    _need_tilelang()
+    sdt = Q.E8M0 if sd == "e8m0" else Q.FP8
+    x = _fp4_input(shape, bs)
+    p, s = K.fp4_act_quant(x, bs, sdt, impl="tilelang")
+    p_r, s_r = K.fp4_act_quant(x, bs, sdt, impl="torch")
+    assert p.dtype == torch.uint8 and s.dtype == sdt and p.shape == p_r.shape and s.shape == s_r.shape
+    bad_p = int((_bytes(p) != _bytes(p_r)).sum())
+    bad_s = int((_bytes(s) != _bytes(s_r)).sum())
+    print(f"fp4_act_quant {shape} /{bs} {sd}: {bad_p} packed bytes, {bad_s} scales differ")
+    assert bad_p == 0 and bad_s == 0
+
+
+def test_fp4_act_quant_golden():
+    _need_tilelang()
+    from conftest import golden
+    gd = golden("kernels")
+    x = gd["fp4_act_quant.x"].to(DEV)
+    for name, bs, sdt in (("e8m0", 32, Q.E8M0), ("e4m3", 16, Q.FP8)):
+        key = f"fp4_act_quant.{name}.packed"
+        if key not in gd:
+            pytest.skip(f"golden fixture lacks {key}")
+        p, s = K.fp4_act_quant(x, bs, sdt, impl="tilelang")
+        assert torch.equal(_bytes(p).cpu(), _bytes(gd[key]))
+        assert torch.equal(_bytes(s).cpu(), _bytes(gd[f"fp4_act_quant.{name}.s"]))
+
+
+# ----------------------------------------------------------------------------- mHC split + Sinkhorn
+def _hc_inputs(lead, hc=4, seed=5, spread=3.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    W = (2 + hc) * hc
+    m = torch.randn(*lead, W, device=DEV, generator=g) * spread
+    sc = torch.rand(3, device=DEV, generator=g) + 0.25
+    b = torch.randn(W, device=DEV, generator=g)
+    return m, sc, b
+
+
+HC_SHAPES = [((4096,), 4, 20), ((2, 37), 4, 20), ((1,), 4, 20), ((3, 11), 2, 5), ((130,), 4, 1)]
+
+
+@pytest.mark.parametrize("lead,hc,iters", HC_SHAPES, ids=lambda c: str(c).replace(" ", ""))
+def test_hc_split_sinkhorn_fwd(lead, hc, iters):
+    _need_tilelang()
+    m, sc, b = _hc_inputs(lead, hc)
+    out = K.hc_split_sinkhorn(m, sc, b, hc, iters, 1e-6, impl="tilelang")
+    ref = K.hc_split_sinkhorn(m, sc, b, hc, iters, 1e-6, impl="torch")
+    for name, o, r in zip(("pre", "post", "comb"), out, ref):
+        assert o.dtype == torch.float32 and o.shape == r.shape, name
+        err = float((o - r).abs().max())
+        print(f"hc_split_sinkhorn {lead} hc={hc} iters={iters} {name}: max abs diff {err:.2e}")
+        assert err <= 1e-5, name
+
+
+def _hc_loss(fn, m, sc, b, hc=4, iters=20):
+    pre, post, comb = fn(m, sc, b, hc, iters, 1e-6)
+    w = torch.arange(comb.numel(), device=comb.device).reshape(comb.shape).float().sin()
+    return (pre * pre.cos()).sum() + post.square().sum() + (comb * w).sum()
+
+
+def _hc_grad_check(g, g_ref, names=("mixes", "scale", "base")):
+    for name, a, r in zip(names, g, g_ref):
+        rel = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+        cd = cosine_diff(a, r)
+        print(f"hc grad {name}: max rel {rel:.2e}, cosine diff {cd:.2e}")
+        assert a.shape == r.shape and a.dtype == r.dtype
+        assert cd < 1e-8 and rel < 1e-4, name
+
+
+@pytest.mark.parametrize("lead", [(4096,), (2, 37)], ids=lambda c: "x".join(map(str, c)))
+def test_hc_split_sinkhorn_bwd(lead):
+    _need_tilelang()
+    m, sc, b = _hc_inputs(lead)
+    ins = [t.clone().requires_grad_() for t in (m, sc, b)]
+    g = torch.autograd.grad(_hc_loss(lambda *a: K.hc_split_sinkhorn(*a, impl="tilelang"), *ins), ins)
+    ins_r = [t.double().requires_grad_() for t in (m, sc, b)]
+    g_r = torch.autograd.grad(_hc_loss(lambda *a: K.hc_split_sinkhorn(*a, impl="torch"), *ins_r), ins_r)
+    _hc_grad_check(g, [t.float() for t in g_r])
+
+
+def test_hc_split_sinkhorn_torch_func_grad():
+    _need_tilelang()
+    m, sc, b = _hc_inputs((64,))
+    f = lambda impl: torch.func.grad(  # noqa: E731
+        lambda *a: _hc_loss(lambda *t: K.hc_split_sinkhorn(*t, impl=impl), *a), argnums=(0, 1, 2))
+    g = f("tilelang")(m, sc, b)
+    g_r = f("torch")(m, sc, b)
+    _hc_grad_check(g, g_r)
+
+
+def test_auto_picks_tilelang_fp4_hc():
+    _need_tilelang()
+    from functional_dsv41.kernels import tilelang as tl
+    assert K.resolve("hc_split_sinkhorn", "auto", on_cuda=True) is tl.hc_split_sinkhorn
+    assert K.resolve("fp4_act_quant", "auto", on_cuda=True) is tl.fp4_act_quant
