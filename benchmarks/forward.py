@@ -1,9 +1,10 @@
 """CPU benchmark: forward (prefill) tokens/s of a small config at sequence lengths 64 .. 4096.
 
 Each query reads at most ``window + index_topk`` KV rows, so the attention part grows linearly with
-the sequence; the indexer's scoring (every query against every visible compressed entry) is the one
-quadratic term, cheap at this size. The table prints the time per token at each length: flat
-(linear total cost) past the window, with the indexer's share growing slowly.
+the sequence; the indexer's scoring (every query against every visible compressed entry, then the
+candidate blocks and the top-k) is the one quadratic term. The table prints the time per token at
+each length, the indexer's share of it (from a profile of one more forward), and the time per token
+of everything else, which stays flat (linear total cost) past the window.
 
     python benchmarks/forward.py [--lengths 64,128,...] [--batch 1] [--repeat 2] [--threads N]
 """
@@ -19,6 +20,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import functional_dsv41 as fd  # noqa: E402
+
+
+def indexer_share(params, ids, cfg, mode) -> float:
+    """Share of the forward spent in the indexer's all-pairs work (scores, candidate blocks, top-k)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.runcall(fd.forward, params, {"input_ids": ids}, cfg=cfg, mode=mode)
+    st = pstats.Stats(prof).stats
+    total = max(v[3] for (f, _, name), v in st.items() if name == "forward" and f.endswith("model.py"))
+    idx = sum(v[3] for (f, _, name), v in st.items()
+              if f.endswith("indexer.py") and name in ("index_scores", "candidate_mask", "select_topk"))
+    return idx / total
 
 
 def main(argv=None):
@@ -39,8 +54,8 @@ def main(argv=None):
           f"index_topk {cfg.index_topk}), batch {args.batch}, mode {args.mode}, torch threads "
           f"{torch.get_num_threads()}")
     print(f"each query reads <= window + top-k = {cfg.window_size + cfg.index_topk} KV rows")
-    print(f"{'seq':>6} {'ms/forward':>11} {'tokens/s':>10} {'us/token':>9} {'vs 64':>6}")
-    base = None
+    print(f"{'seq':>6} {'ms/forward':>11} {'tokens/s':>10} {'us/token':>9} {'indexer':>8} "
+          f"{'rest us/token':>14}")
     gen = torch.Generator().manual_seed(0)
     for n in lengths:
         ids = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=gen)
@@ -52,8 +67,9 @@ def main(argv=None):
                 fd.forward(params, {"input_ids": ids}, cfg=cfg, mode=args.mode)
             best = min(best, time.perf_counter() - t)
         per_tok = best / (n * args.batch) * 1e6
-        base = base or per_tok
-        print(f"{n:>6} {best * 1e3:>11.1f} {n * args.batch / best:>10.0f} {per_tok:>9.1f} {per_tok / base:>6.2f}")
+        share = indexer_share(params, ids, cfg, args.mode)
+        print(f"{n:>6} {best * 1e3:>11.1f} {n * args.batch / best:>10.0f} {per_tok:>9.1f} {share:>7.0%} "
+              f"{per_tok * (1 - share):>14.1f}")
 
 
 if __name__ == "__main__":
