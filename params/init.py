@@ -44,7 +44,8 @@ _QUANTIZERS = {"fp8": quant.quant_fp8_block, "fp4": quant.quant_fp4, "rows": qua
 
 
 def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
-                dtype_master: Optional[torch.dtype] = None, device: str | torch.device = "cpu"):
+                dtype_master: Optional[torch.dtype] = None, device: str | torch.device = "cpu",
+                tokenizer=None):
     """A parameter tree of ``cfg`` with random values (same structure as ``param_spec(cfg)``).
 
     Default: storage dtypes of the release (fp8 e4m3 + e8m0 ``[ceil(out/32), ceil(in/32)]`` scales for
@@ -58,6 +59,10 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     unless ``dtype_master`` is given. ``param_spec(cfg, master=True)`` describes this tree.
 
     Deterministic for a seed (CPU generator; tensors are moved to ``device`` at the end).
+
+    ``tokenizer``: path of a ``tokenizer.json``; with Engram layers, the Engram token map built from it
+    is stored at ``params["engram_token_map"]`` (``forward`` needs it; ``load_params`` does the same
+    from a checkpoint folder). Its class count must equal ``cfg.engram_compressed_vocab_size``.
     """
     as_master = master or dtype_master is not None
     gen = torch.Generator().manual_seed(int(seed))
@@ -76,4 +81,8 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
             flat[e.name] = x.to(e.dtype)
     if torch.device(device).type != "cpu":
         flat = {k: v.to(device) for k, v in flat.items()}
-    return unflatten_from_paths(flat)
+    params = unflatten_from_paths(flat)
+    if tokenizer is not None and cfg.engram_layer_ids:
+        from functional_dsv41.engram import build_token_map
+        params["engram_token_map"] = build_token_map(tokenizer, expected_size=cfg.engram_compressed_vocab_size).to(device)
+    return params

@@ -165,3 +165,14 @@ def test_engram_tables_fp8_in_bf16_config():
     assert e["embed"]["weight"].dtype == quant.FP8 and e["embed"]["scale"].shape == (2514, 1)
     assert e["wkv"]["weight"].dtype == torch.bfloat16 and "scale" not in e["wkv"]
     assert e["wkv"]["weight"].shape == (5 * 128, 3 * 2 * 32)
+
+
+def test_init_params_attaches_engram_token_map_from_a_tokenizer():
+    from conftest import fixture_dir
+    d = fixture_dir("tiny-bf16")
+    cfg = fd.Config.tiny()
+    p = fd.init_params(cfg, seed=0, tokenizer=d / "tokenizer.json")
+    assert p["engram_token_map"].shape == (cfg.vocab_size,) and int(p["engram_token_map"].max()) == 333
+    import pytest
+    with pytest.raises(ValueError, match="334"):
+        fd.init_params(fd.Config.tiny(engram_compressed_vocab_size=300), seed=0, tokenizer=d / "tokenizer.json")
