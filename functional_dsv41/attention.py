@@ -114,7 +114,9 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
             score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode,
                                  qdq=qdq)
             if L == cfg.candidate_source_layer:
-                shared = shared.replace(candidates=candidate_mask(score, visible, shared.blocks[src], cfg=cfg))
+                nb = None if chunk.packed else -(-score.shape[-1] // cfg.candidate_block_size)
+                shared = shared.replace(candidates=candidate_mask(score, visible, shared.blocks[src], cfg=cfg,
+                                                                  n_blocks=nb))
                 if debug is not None:
                     debug["candidates"] = shared.candidates
             student = score

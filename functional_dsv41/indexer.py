@@ -100,17 +100,20 @@ def entry_blocks(group: torch.Tensor, seg: torch.Tensor, *, cfg: Config) -> torc
     return new.long().cumsum(1) - 1
 
 
-def candidate_mask(score: torch.Tensor, visible: torch.Tensor, blocks: torch.Tensor, *, cfg: Config) -> torch.Tensor:
+def candidate_mask(score: torch.Tensor, visible: torch.Tensor, blocks: torch.Tensor, *, cfg: Config,
+                   n_blocks: int | None = None) -> torch.Tensor:
     """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of entries in the chosen blocks.
 
-    blocks [b, n]: block id of each entry (``entry_blocks``). Block score = max of its entries'
-    scores (-inf where none is visible); the block of the query's newest visible entry is forced in;
-    the top ``candidate_topk_blocks`` blocks with a finite score are kept.
+    blocks [b, n]: block id of each entry (``entry_blocks``); ``n_blocks``: how many there are, when the
+    caller knows it without reading the tensor (plain rows: ceil(n / block size); no host sync).
+    Block score = max of its entries' scores (-inf where none is visible); the block of the query's
+    newest visible entry is forced in; the top ``candidate_topk_blocks`` blocks with a finite score
+    are kept.
     """
     b, s, n = score.shape
     if n == 0:
         return torch.zeros_like(visible)
-    nb = int(blocks.max()) + 1
+    nb = n_blocks if n_blocks is not None else int(blocks.max()) + 1
     idx = blocks[:, None, :].expand(b, s, n)
     block = torch.full((b, s, nb), float("-inf"), device=score.device)
     block = block.scatter_reduce(-1, idx, score.float(), reduce="amax", include_self=True)   # [b, s, nb]
