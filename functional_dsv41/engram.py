@@ -145,7 +145,7 @@ def layout(cfg) -> list[EngramLayerLayout]:
     for i, (primes, mult) in enumerate(ints):
         p = torch.tensor(primes, dtype=torch.int64)
         flat = p.flatten()
-        rows = int(flat.sum())
+        rows = sum(int(q) for row in primes for q in row)     # from the Python ints: no tensor read
         want = cfg.engram_num_embeddings[i]
         if rows != want:
             raise ValueError(f"engram layout: layer {cfg.engram_layer_ids[i]} needs {rows} table rows "

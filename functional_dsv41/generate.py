@@ -65,7 +65,7 @@ def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Option
 def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: Optional[int] = None, seed: int = 0, speculative: bool = False,
              max_seq_len: Optional[int] = None, stream: Optional[Callable[[list], None]] = None,
-             mode: str = "reference", impl: Optional[str] = None) -> GenerateResult:
+             mode: str = "reference", impl: Optional[str] = None, dispatch: str = "sorted") -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     prompts: list of token-id lists (or 1-D tensors / a [b, s] tensor); temperature 0 = greedy, else
@@ -74,7 +74,10 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     speculative: DSpark draft + one verify forward per step (needs ``cfg.n_mtp_layers`` and ``params["mtp"]``),
     greedy output identical to plain greedy, sampling distribution unchanged; max_seq_len: state
     capacity (default: longest prompt + max_new_tokens); stream: called after every step with a list
-    (one per row) of the token ids committed in that step. Returns a ``GenerateResult``.
+    (one per row) of the token ids committed in that step. ``dispatch``: the MoE formulation
+    (``forward``'s): "sorted" (one GEMM per active expert) reads the expert counts on the host once
+    per MoE layer; "dense" needs no host read at all, so a decode step then synchronises only for
+    the stop check (small expert counts). Returns a ``GenerateResult``.
     """
     prompts, total = _prep_prompts(prompts, cfg, max_new_tokens, max_seq_len)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -95,7 +98,7 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     in_prompt = torch.arange(total, device=dev)[None] < lens[:, None]             # [b, total]
     g = torch.Generator(device=dev).manual_seed(int(seed))
     state = init_state(cfg, b, max_seq_len or total, device=dev)
-    kw = dict(mode=mode, impl=impl)
+    kw = dict(mode=mode, impl=impl, dispatch=dispatch)
     t0 = time.perf_counter()
     run = _speculative if speculative else _plain
     stats = run(params, cfg, state, tokens, in_prompt, lens, total, max_new_tokens, temperature, top_p,
