@@ -138,6 +138,38 @@ def gemms(results, args):
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
 
 
+def fp4_gemms(results, args):
+    """fp8 activations x fp4 (e2m1, e8m0/32) expert weights at the release expert shapes (w1/w3, w2)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for (M, N, K) in [(args.m, 2304, 5120), (args.m, 5120, 2304)]:
+        print(f"-- fp4 GEMM (fp8 x e2m1, 32-wide e8m0 blocks) M={M} N={N} K={K}: {2 * M * N * K / 1e9:.1f} GFLOP",
+              flush=True)
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        a, a_s = Q.act_quant(x, 32, "ue8m0", Q.E8M0)
+        w = torch.randn(N, K, device="cuda") * 0.02
+        b, b_s = Q.quant_fp4(w)
+        fl, by = 2 * M * N * K, M * K + N * K // 2 + M * N * 2 + M * K // 32 + N * K // 32
+        sa, bp, sb = f4.operands(a_s, b, b_s, K)
+        for cfg in args.fp4_gemm_cfgs:
+            k = f4.fp4_gemm_kernel(N, K, **cfg)
+            results.append(row(f"fp4_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}",
+                               bench(lambda: k(a, sa, bp, sb)), fl, by))
+        results.append(row("fp4_gemm end-to-end (scale conversion incl.)",
+                           bench(lambda: f4.fp4_gemm(a, a_s, b, b_s)), fl, by))
+        b8, b8_s = Q.quant_fp8_block(w)
+        results.append(row("peer: fp8_gemm tilelang, fp8 weights (e2e)",
+                           bench(lambda: fg.fp8_gemm(a, a_s, b8, b8_s)), fl))
+        sa_r = torch.rand(M, 1, device="cuda") + 0.5
+        sb_r = torch.rand(1, N, device="cuda") + 0.5
+        bt = b8.t()
+        results.append(row("peer: torch._scaled_mm fp8 rowwise scales",
+                           bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl))
+        wb = w.bfloat16()
+        results.append(row("peer: bf16 matmul (torch)", bench(lambda: x @ wb.t()), fl))
+
+
 def quantizers(results, args):
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import act_quant_tl as aq
@@ -179,13 +211,14 @@ def fp4_hc(results, args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, default=4096, help="queries / GEMM rows (release prefill 4096)")
-    p.add_argument("--only", default="ceilings,attention,gemm,quant,fp4hc")
+    p.add_argument("--only", default="ceilings,attention,gemm,fp4gemm,quant,fp4hc")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     args.attn_fwd_cfgs = [dict(BI=128, stages=1)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),
                       dict(async_promote=True, stages=3)]
+    args.fp4_gemm_cfgs = [dict(stages=3), dict(stages=4), dict(stages=2)]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     try:
         import tilelang
@@ -196,7 +229,7 @@ def main(argv=None):
     results = []
     for part in args.only.split(","):
         try:
-            {"ceilings": ceilings, "attention": attention, "gemm": gemms, "quant": quantizers,
+            {"ceilings": ceilings, "attention": attention, "gemm": gemms, "fp4gemm": fp4_gemms, "quant": quantizers,
              "fp4hc": fp4_hc}[part](results, args) \
                 if part != "ceilings" else ceilings(results)
         except Exception as e:

@@ -2,12 +2,13 @@
 
 Exported names are the ops of ``kernels.OPS`` that have a TileLang implementation, with the
 signatures of ``kernels/reference.py``; ``kernels._tilelang_op`` finds them here. Ops not exported
-(``fp4_gemm``: not yet written) fall back to torch under ``impl="auto"``.
+fall back to torch under ``impl="auto"``.
 """
 from .act_quant_tl import act_quant
+from .fp4_gemm_tl import fp4_gemm
 from .fp4_quant_tl import fp4_act_quant
 from .fp8_gemm_tl import fp8_gemm
 from .hc_sinkhorn_tl import hc_split_sinkhorn
 from .sparse_attn_tl import sparse_attn
 
-__all__ = ["act_quant", "fp4_act_quant", "fp8_gemm", "hc_split_sinkhorn", "sparse_attn"]
+__all__ = ["act_quant", "fp4_act_quant", "fp4_gemm", "fp8_gemm", "hc_split_sinkhorn", "sparse_attn"]

@@ -1,0 +1,106 @@
+"""Block-scaled fp8 x fp4 GEMM C = A @ fp4(B)^T (SPEC §10.4), TileLang/Hopper.
+
+a e4m3 [..., K] + a_s [..., K/act_block_size]; b packed e2m1 float4_e2m1fn_x2 [N, K/2] (element 2j in the
+low nibble of byte j) + e8m0 [N, K/32]. Hopper has no fp4 tensor-core input, so each K tile of packed B is
+loaded to shared memory (half the bytes of fp8), converted there to e4m3 and fed to the fp8 GEMM's
+structure: every 32-deep slice of K is one WGMMA (k=32) into a temporary, promoted into the fp32 result
+with its two power-of-two scales (the release's order: sum each K block, scale, accumulate in fp32).
+
+Conversion: e2m1 code ``s e1 e0 m`` -> e4m3 byte ``s 000 e1 e0 m 00`` = value * 2^-6 exactly (code 1 = 0.5
+lands on the e4m3 subnormal 2^-7, the normal codes keep their exponent offset), so the per-element work is
+two masks and two shifts; the 2^6 is folded into B's fp32 scales on the host (exact: powers of two).
+"""
+import functools
+
+import torch
+import tilelang.language as T
+
+from functional_dsv41 import quant
+
+from ._common import compile_kernel
+
+BF16, F32, FP8, U8 = "bfloat16", "float32", "float8_e4m3fn", "uint8"
+
+
+@functools.lru_cache(maxsize=None)
+def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128, stages: int = 3,
+                    threads: int = 256, swizzle: int = 8):
+    M = T.dynamic("M")
+    KB, SB = K // 32, BK // 32
+    assert K % BK == 0 and BK % 32 == 0
+
+    @T.prim_func
+    def fp4_gemm(
+        A: T.Tensor([M, K], FP8),
+        As: T.Tensor([M, KB], F32),
+        Bp: T.Tensor([N, K // 2], U8),
+        Bs: T.Tensor([N, KB], F32),
+        C: T.Tensor([M, N], BF16),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
+            a_s = T.alloc_shared([BM, BK], FP8)
+            bp_s = T.alloc_shared([BN, BK // 2], U8)
+            b_s = T.alloc_shared([BN, BK], FP8)
+            sa = T.alloc_shared([BM, SB], F32)
+            sb = T.alloc_shared([BN, SB], F32)
+            acc = T.alloc_fragment([BM, BN], F32)
+            tmp = T.alloc_fragment([BM, BN], F32)
+            c_s = T.alloc_shared([BM, BN], BF16)
+            T.use_swizzle(swizzle)
+            T.clear(acc)
+            for k in T.Pipelined(K // BK, num_stages=stages):
+                T.copy(A[by * BM, k * BK], a_s)
+                T.copy(Bp[bx * BN, k * (BK // 2)], bp_s)
+                T.copy(As[by * BM, k * SB], sa)
+                T.copy(Bs[bx * BN, k * SB], sb)
+                for i, j in T.Parallel(BN, BK):
+                    code = (bp_s[i, j // 2] >> T.Cast(U8, (j % 2) * 4)) & T.uint8(15)
+                    b_s[i, j] = T.reinterpret(((code & T.uint8(7)) << T.uint8(2)) | ((code & T.uint8(8)) << T.uint8(4)), FP8)
+                T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
+                T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
+                for kk in T.unroll(SB):
+                    T.gemm(a_s[:, kk * 32:(kk + 1) * 32], b_s[:, kk * 32:(kk + 1) * 32], tmp,
+                           transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BM, BN):
+                        acc[i, j] += tmp[i, j] * (sa[i, kk] * sb[j, kk])
+            T.copy(acc, c_s)
+            T.copy(c_s, C[by * BM, bx * BN])
+
+    return compile_kernel(fp4_gemm, out_idx=[4])
+
+
+def _scales(s: torch.Tensor) -> torch.Tensor:
+    return (quant.e8m0_to_float(s) if s.dtype == quant.E8M0 else s.float()).contiguous()
+
+
+def _pick_bk(K: int) -> int:
+    for bk in (128, 64, 32):
+        if K % bk == 0:
+            return bk
+    raise ValueError(f"fp4_gemm (tilelang): K={K} is not a multiple of 32")
+
+
+def operands(a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, K: int, act_block_size: int = 32):
+    """Kernel operands: fp32 per-32 A scales [M, K/32], B bytes [N, K/2], fp32 B scales * 2^6 [N, K/32]."""
+    sa = _scales(a_s)
+    if act_block_size != 32:
+        sa = sa.repeat_interleave(act_block_size // 32, -1)
+    sa = sa.reshape(-1, K // 32).contiguous()
+    sb = (_scales(b_s) * 64.0).contiguous()
+    return sa, b.contiguous().view(torch.uint8), sb
+
+
+def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+             scale_dtype=quant.E8M0, act_block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
+    """Same contract as ``reference.fp4_gemm`` (act_block_size a multiple of 32)."""
+    K = a.shape[-1]
+    N = b.shape[0]
+    if b.shape[-1] * 2 != K or K % 32 or act_block_size % 32:
+        raise ValueError(f"fp4_gemm (tilelang): a has K={K}, b has K={b.shape[-1] * 2}, act block {act_block_size}")
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, K).contiguous()
+    sa, bp, sb = operands(a_s, b, b_s, K, act_block_size)
+    bk = cfg.pop("BK", _pick_bk(K))
+    kern = fp4_gemm_kernel(N, K, BK=bk, **cfg)
+    c = kern(a2, sa, bp, sb)
+    return c.reshape(*lead, N).to(out_dtype)
