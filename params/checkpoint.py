@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from functional_dsv41 import quant
 from functional_dsv41.config import Config
 from functional_dsv41.pytree import flatten_with_paths, unflatten_from_paths
 
@@ -146,6 +147,18 @@ def _check(entries: list[Entry], found: dict[str, tuple[tuple, torch.dtype]], wh
         raise CheckpointError(f"{what} does not match the config ({len(problems)} problem(s)):", problems)
 
 
+def _fp8_wo_a(where: dict, files: dict, cfg: Config) -> set[str]:
+    """Prefixes ``layers.L.attn.wo_a`` / ``mtp.S.attn.wo_a`` stored as fp8 + ``scale`` (the Hugging Face
+    release's form, SPEC §3/§16: its convert.py dequantises ``wo_a`` to bf16, the layout we keep)."""
+    out = set()
+    for name in where:
+        if name.endswith(".attn.wo_a.scale"):
+            w = name[: -len("scale")] + "weight"
+            if w in where and files[where[w]].header[w]["dtype"] == "F8_E4M3":
+                out.add(name[: -len(".scale")])
+    return out
+
+
 def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = False,
                 tokenizer=None):
     """Read a released-layout checkpoint into the params tree of ``cfg`` (storage dtypes kept).
@@ -158,6 +171,8 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     Tensors are materialised one at a time from the memory mapping; with ``mmap_engram=True`` the
     Engram tables (``layers.L.engram.embed.weight/scale``) stay views of the mapped file (read-only
     use; writes are copy-on-write and never reach the file).
+    ``attn.wo_a`` stored as fp8 + ``scale`` (the Hugging Face release) is dequantised to bf16 on load,
+    as the release's convert.py does; the returned tree has the released bf16 ``wo_a``.
     If ``cfg`` has Engram layers and ``tokenizer`` (a tokenizer.json path) is given or the folder
     holds ``tokenizer.json``, ``params["engram_token_map"]`` (int64 ``[vocab]``, SPEC §6.1) is built
     with ``functional_dsv41.engram.build_token_map`` (skipped when that module is unavailable).
@@ -168,18 +183,25 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     for name, p in where.items():
         if name not in files[p].header:
             raise CheckpointError(f"{path}: index lists {name} in {p.name}, which does not hold it")
+    fp8_wo_a = _fp8_wo_a(where, files, cfg)
     if strict:
         found = {}
         for name, p in where.items():
             h = files[p].header[name]
             found[name] = (_storage_shape(h["dtype"], h["shape"]), _DTYPES.get(h["dtype"], h["dtype"]))
+        for pre in fp8_wo_a:                     # checked as the bf16 tensor it becomes
+            found[pre + ".weight"] = (found[pre + ".weight"][0], torch.bfloat16)
+            del found[pre + ".scale"]
         _check(spec_entries(cfg), found, f"checkpoint {path}")
         order = [e.name for e in spec_entries(cfg)]
     else:
-        order = list(where)
+        order = [n for n in where if n[: -len(".scale")] not in fp8_wo_a]
     flat = {}
     for name in order:
         t = files[where[name]].tensor(name)
+        pre = name[: -len(".weight")]
+        if pre in fp8_wo_a:
+            t = quant.dequant_fp8_block(t, files[where[pre + ".scale"]].tensor(pre + ".scale"), torch.bfloat16)
         flat[name] = t if (mmap_engram and _is_engram_table(name)) else t.clone()
     params = unflatten_from_paths(flat)
     _add_token_map(params, path, cfg, tokenizer)

@@ -195,3 +195,27 @@ def test_mmap_engram_tables_stay_mapped(tmp_path):
     assert u.untyped_storage().nbytes() == u.nbytes
     assert not any(a <= u.data_ptr() < b and f == path for a, b, f in _mapped_files())
     assert torch.equal(t.view(torch.uint8), u.view(torch.uint8))
+
+
+def test_hf_layout_fp8_wo_a_is_dequantised_on_load(tmp_path):
+    """The Hugging Face release stores attn.wo_a as fp8 + scale (its convert.py makes it bf16): loading
+    such a file gives the bf16 wo_a of our layout; everything else is untouched."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import fixture_dir
+    from functional_dsv41 import quant
+    d = fixture_dir("tiny-fp8")
+    cfg = fd.Config.from_json(d / "config.json")
+    flat = load_file(str(d / "model.safetensors"))
+    hf = dict(flat)
+    for name in [n for n in flat if n.endswith(".attn.wo_a.weight")]:
+        q, s = quant.quant_fp8_block(flat[name].float())
+        hf[name], hf[name[: -len("weight")] + "scale"] = q, s
+    save_file(hf, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    p = fd.load_params(tmp_path, cfg)
+    got = p["layers"][3]["attn"]["wo_a"]
+    assert set(got) == {"weight"} and got["weight"].dtype == torch.bfloat16
+    want = quant.dequant_fp8_block(hf["layers.3.attn.wo_a.weight"], hf["layers.3.attn.wo_a.scale"])
+    assert torch.equal(got["weight"], want)
+    assert torch.equal(p["layers"][3]["attn"]["wq_a"]["weight"].view(torch.uint8),
+                       flat["layers.3.attn.wq_a.weight"].view(torch.uint8))
