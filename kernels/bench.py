@@ -214,6 +214,9 @@ def main(argv=None):
     p.add_argument("--only", default="ceilings,attention,gemm,fp4gemm,quant,fp4hc")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
+                         "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
     args.attn_fwd_cfgs = [dict(BI=128, stages=1)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),
