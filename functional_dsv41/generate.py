@@ -65,7 +65,8 @@ def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Option
 def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: Optional[int] = None, seed: int = 0, speculative: bool = False,
              max_seq_len: Optional[int] = None, stream: Optional[Callable[[list], None]] = None,
-             mode: str = "reference", impl: Optional[str] = None, dispatch: str = "sorted") -> GenerateResult:
+             mode: str = "reference", impl: Optional[str] = None, dispatch: str = "sorted",
+             images=None, token_types=None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     prompts: list of token-id lists (or 1-D tensors / a [b, s] tensor); temperature 0 = greedy, else
@@ -77,7 +78,9 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     (one per row) of the token ids committed in that step. ``dispatch``: the MoE formulation
     (``forward``'s): "sorted" (one GEMM per active expert) reads the expert counts on the host once
     per MoE layer; "dense" needs no host read at all, so a decode step then synchronises only for
-    the stop check (small expert counts). Returns a ``GenerateResult``.
+    the stop check (small expert counts). ``images`` / ``token_types``: as ``forward``'s batch entries for
+    the prompts (token_types per row, prompt length each); every image span must lie inside the first
+    prefill chunk (the shortest prompt), as in the reference. Returns a ``GenerateResult``.
     """
     prompts, total = _prep_prompts(prompts, cfg, max_new_tokens, max_seq_len)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -96,13 +99,16 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
     in_prompt = torch.arange(total, device=dev)[None] < lens[:, None]             # [b, total]
+    first = {}
+    if images is not None or token_types is not None:
+        first = _image_batch(prompts, images, token_types, int(lens.min()), cfg, dev)
     g = torch.Generator(device=dev).manual_seed(int(seed))
     state = init_state(cfg, b, max_seq_len or total, device=dev)
     kw = dict(mode=mode, impl=impl, dispatch=dispatch)
     t0 = time.perf_counter()
     run = _speculative if speculative else _plain
     stats = run(params, cfg, state, tokens, in_prompt, lens, total, max_new_tokens, temperature, top_p,
-                eos_id, g, stream, kw)
+                eos_id, g, stream, kw, first)
     res = GenerateResult()
     toks, n_out = tokens.tolist(), stats.pop("n_out").tolist()
     for i in range(b):
@@ -111,6 +117,24 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     stats["new_tokens"] = [len(r) for r in res]
     res.stats = stats
     return res
+
+
+def _image_batch(prompts, images, token_types, n0, cfg, dev) -> dict:
+    """Batch entries of the first (prefill) chunk for image prompts; refuses spans past that chunk."""
+    if token_types is None:
+        raise ValueError("generate: images need token_types (image_processor.expand_image_tokens gives both)")
+    if len(token_types) != len(prompts):
+        raise ValueError(f"generate: token_types has {len(token_types)} rows for {len(prompts)} prompts")
+    rows = []
+    for i, (p, t) in enumerate(zip(prompts, token_types)):
+        t = torch.as_tensor(t, dtype=torch.long)
+        if t.shape != (len(p),):
+            raise ValueError(f"generate: token_types row {i} has shape {tuple(t.shape)}, its prompt {len(p)} tokens")
+        if bool((t[n0:] >= 0).any()):
+            raise ValueError(f"generate: row {i} has image tokens past position {n0} (the shortest prompt); "
+                             "image spans must lie in the first prefill chunk")
+        rows.append(t[:n0])
+    return {"token_types": torch.stack(rows).to(dev), "images": images}
 
 
 def _commit(tokens, in_prompt, lens, pos, new, done, n_out, eos_id, max_new):
@@ -126,10 +150,10 @@ def _commit(tokens, in_prompt, lens, pos, new, done, n_out, eos_id, max_new):
     return done, n_out, tok, emitted & ~hit_eos
 
 
-def _plain(params, cfg, state, tokens, in_prompt, lens, total, max_new, T, top_p, eos_id, g, stream, kw):
+def _plain(params, cfg, state, tokens, in_prompt, lens, total, max_new, T, top_p, eos_id, g, stream, kw, first):
     b = tokens.shape[0]
     pos = int(lens.min())
-    out = forward(params, {"input_ids": tokens[:, :pos]}, cfg=cfg, state=state, **kw)
+    out = forward(params, {"input_ids": tokens[:, :pos], **first}, cfg=cfg, state=state, **kw)
     done = torch.zeros(b, dtype=torch.bool, device=tokens.device)
     n_out = torch.zeros(b, dtype=torch.long, device=tokens.device)
     n_fwd = 0
@@ -150,12 +174,13 @@ def _stops(done, n_out, max_new):
     return ["length" if n >= max_new or not d else "eos" for d, n in zip(done.tolist(), n_out.tolist())]
 
 
-def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T, top_p, eos_id, g, stream, kw):
+def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T, top_p, eos_id, g, stream, kw,
+                 first):
     """Draft B tokens, verify [last, d_1..d_B] in one forward, commit the accepted prefix + 1 token."""
     b, dev = tokens.shape[0], tokens.device
     B = cfg.dspark_block_size
     q = int(lens.min())                                                # position of `last`
-    out = forward(params, {"input_ids": tokens[:, :q]}, cfg=cfg, state=state, **kw)
+    out = forward(params, {"input_ids": tokens[:, :q], **first}, cfg=cfg, state=state, **kw)
     state = dspark_prefill(params, out.main_hidden, cfg=cfg, state=out.state, mode=kw["mode"])
     mh_last = out.main_hidden[:, -1:]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -229,6 +254,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", action="store_true", help="DSpark draft + one verify forward per step")
     ap.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (id 0)")
+    ap.add_argument("--image", action="append", default=[], metavar="FILE",
+                    help="an image (PNG; other formats with Pillow) for each image token in the prompt, in "
+                         "order; with no image token in the prompt one is put before the text")
     args = ap.parse_args(argv)
     from pathlib import Path
 
@@ -245,8 +273,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
     eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+    images = token_types = None
+    if args.image:
+        from .image_processor import expand_image_tokens, load_image
+        if cfg.image_token_id not in ids:
+            ids = [cfg.image_token_id] * len(args.image) + ids
+        pics = [load_image(Path(f).read_bytes(), cfg) for f in args.image]
+        ids, types = expand_image_tokens(ids, [grid for _, grid in pics], cfg)
+        ids = ids.tolist()
     if not args.no_bos and bos is not None:
         ids = [bos] + ids
+    if args.image:
+        token_types = [[-1] * (len(ids) - len(types)) + types.tolist()]
+        images = [pics]
     if not ids:
         print("error: the prompt encodes to no tokens", file=sys.stderr)
         return 2
@@ -264,7 +303,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stdout.write(args.prompt)
     res = generate(params, [ids], cfg=cfg, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, eos_id=eos, seed=args.seed, speculative=args.speculative,
-                   max_seq_len=len(ids) + args.max_new_tokens, stream=stream)
+                   max_seq_len=len(ids) + args.max_new_tokens, stream=stream, images=images,
+                   token_types=token_types)
     st = res.stats
     n = st["new_tokens"][0]
     line = f"\n[{n} tokens in {st['seconds']:.2f} s: {n / max(st['seconds'], 1e-9):.2f} tokens/s, stop: {st['stop'][0]}"

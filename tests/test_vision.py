@@ -256,3 +256,40 @@ def test_text_only_rows_unchanged_by_images_key():
     a = fd.forward(params, {"input_ids": ids, "token_types": tt}, cfg=cfg).logits
     b = fd.forward(params, {"input_ids": ids, "token_types": tt, "images": [None, None]}, cfg=cfg).logits
     assert torch.equal(a, b)
+
+
+def test_generate_with_images_matches_golden_tokens():
+    """fd.generate with the image prompts: the golden greedy tokens (prefill + 8 decode steps)."""
+    cfg, params, g = setup()
+    P = int(g["prefill_len"])
+    prompts = g["input_ids"][:, :P].tolist()
+    res = fd.generate(params, prompts, cfg=cfg, max_new_tokens=g["generated_ids"].shape[1],
+                      images=images_of(g, len(prompts)), token_types=g["token_types"][:, :P].tolist())
+    assert [list(r) for r in res] == g["generated_ids"].tolist()
+    with pytest.raises(ValueError, match="need token_types"):
+        fd.generate(params, prompts, cfg=cfg, max_new_tokens=2, images=images_of(g, len(prompts)))
+
+
+def test_cli_with_an_image(tmp_path):
+    import subprocess
+    import sys
+    cfg, params, g = setup()
+    img = tmp_path / "img.png"
+    img.write_bytes(bytes(g["image.0.png"].tolist()))
+    r = subprocess.run([sys.executable, "-m", "functional_dsv41.generate", "--ckpt", str(fixture_dir(NAME)),
+                        "--prompt", "Describe the picture.", "--image", str(img), "--max-new-tokens", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "4 tokens in" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_generate_refuses_image_spans_past_the_first_chunk():
+    cfg, params, g = setup()
+    P = int(g["prefill_len"])
+    prompts = g["input_ids"][:, :P].tolist()
+    r = int(g["image.0.row_start"][0])
+    prompts[1 - r] = prompts[1 - r][:5]            # the other row is short: the prefill chunk ends at 5
+    types = g["token_types"][:, :P].tolist()
+    types[1 - r] = types[1 - r][:5]
+    with pytest.raises(ValueError, match="image tokens past position 5"):
+        fd.generate(params, prompts, cfg=cfg, max_new_tokens=2, images=images_of(g, 2), token_types=types)
