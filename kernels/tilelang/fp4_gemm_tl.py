@@ -18,6 +18,7 @@ import tilelang.language as T
 from functional_dsv41 import quant
 
 from ._common import compile_kernel
+from .fp8_gemm_tl import _scales
 
 BF16, F32, FP8, U8 = "bfloat16", "float32", "float8_e4m3fn", "uint8"
 
@@ -67,10 +68,6 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
             T.copy(c_s, C[by * BM, bx * BN])
 
     return compile_kernel(fp4_gemm, out_idx=[4])
-
-
-def _scales(s: torch.Tensor) -> torch.Tensor:
-    return (quant.e8m0_to_float(s) if s.dtype == quant.E8M0 else s.float()).contiguous()
 
 
 def _pick_bk(K: int) -> int:
