@@ -17,6 +17,7 @@ import sys
 from .config import Config, ConfigError
 
 __version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "__version__"]  # + the lazy names below (see __dir__)
 
 # In an installed package, kernels/, params/ and train/ are subpackages (setuptools package-dir mapping).
 # From a bare checkout (no install), map them here so `python train/run.py` works as well.

@@ -19,7 +19,6 @@ Two dispatch formulations, equal in value:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .config import Config
 from . import invariant
