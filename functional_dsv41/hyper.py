@@ -14,7 +14,7 @@ import torch
 
 from . import kernels
 from .config import Config
-from .invariant import linear_rows
+from .invariant import linear_rows, ordered_sum
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, cfg: Config,
@@ -30,19 +30,9 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
                                      cfg.hc_eps, impl=impl)
 
 
-def _stream_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over the stream axis as explicit adds in stream order: the same bits whatever the other
-    dims (a reduction kernel may vectorise a 4-term sum differently for one token than for many)."""
-    parts = t.unbind(dim)
-    acc = parts[0]
-    for x in parts[1:]:
-        acc = acc + x
-    return acc
-
-
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse the streams: sum_j pre_j * h_j in fp32 -> [b, s, dim] in h's dtype."""
-    return _stream_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
+    return ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -50,5 +40,5 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
 
     y [b, s, dim] sublayer output, res [b, s, hc, dim] the sublayer's input streams.
     """
-    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + _stream_sum(comb.unsqueeze(-1) * res.float().unsqueeze(-2), -3)
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + ordered_sum(comb.unsqueeze(-1) * res.float().unsqueeze(-2), -3)
     return out.to(y.dtype)

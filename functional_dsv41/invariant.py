@@ -32,6 +32,16 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (y[:y.shape[0] - pad] if pad else y).reshape(*lead, w.shape[0])
 
 
+def ordered_sum(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Sum over ``dim`` as explicit adds in index order: the same bits whatever the other dims (a
+    reduction kernel may vectorise a short sum differently for one token than for many)."""
+    parts = t.unbind(dim)
+    acc = parts[0]
+    for x in parts[1:]:
+        acc = acc + x
+    return acc.unsqueeze(dim) if keepdim else acc
+
+
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for an elementwise ``fn``, every value computed on the SIMD path (CPU)."""
     if x.device.type != "cpu":

@@ -119,18 +119,11 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     post = 2 * invariant.sigmoid(mixes[..., hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc])
     c = (mixes[..., 2 * hc:] * hc_scale[2] + hc_base[2 * hc:]).unflatten(-1, (hc, hc))
 
-    def total(t, dim):  # explicit adds in index order: the same bits for any leading shape
-        parts = t.unbind(dim)
-        acc = parts[0]
-        for x in parts[1:]:
-            acc = acc + x
-        return acc.unsqueeze(dim)
-
     # softmax spelled out as the kernel computes it (max-shifted exp, then one division), + eps
     c = torch.exp(c - c.amax(dim=-1, keepdim=True))
-    c = c / total(c, -1) + eps
-    c = c / (total(c, -2) + eps)
+    c = c / invariant.ordered_sum(c, -1, keepdim=True) + eps
+    c = c / (invariant.ordered_sum(c, -2, keepdim=True) + eps)
     for _ in range(sinkhorn_iters - 1):
-        c = c / (total(c, -1) + eps)
-        c = c / (total(c, -2) + eps)
+        c = c / (invariant.ordered_sum(c, -1, keepdim=True) + eps)
+        c = c / (invariant.ordered_sum(c, -2, keepdim=True) + eps)
     return pre, post, c
