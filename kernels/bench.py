@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
@@ -43,17 +41,15 @@ def ceilings(results):
     del a, b, x, y
 
 
-def attention(results, args):
-    from functional_dsv41.kernels import reference
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+def _attn_release_inputs(args):
+    """Release prefill attention operands: B=1, M queries, 64 heads x 512, 128 window + 512 of 2048
+    compressed rows (ratio 2: query i sees (i+1)//2 of them)."""
     B, M, H, D, n_comp = 1, args.m, 64, 512, 2048
     N = M + n_comp
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(B, M, H, D, device="cuda", generator=g).bfloat16()
     kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
     sink = torch.randn(H, device="cuda", generator=g)
-    # release prefill indices: 128 window + 512 compressed (ratio 2)
     i = torch.arange(M, device="cuda")[:, None]
     w = i - 127 + torch.arange(128, device="cuda")[None]
     w = torch.where(w >= 0, w, -1)
@@ -63,12 +59,20 @@ def attention(results, args):
     c = torch.where(top.values >= 0, top.indices + M, -1).sort(-1).values
     idx = torch.cat([w, c], -1).int()[None].contiguous()
     T = idx.shape[-1]
-    scale = D ** -0.5
     fl = 2 * B * M * H * T * (D + D)
-    by_f = q.numel() * 2 * 2 + B * M * T * (D * 2 + 4)        # q, o, gathered kv rows + indices
+    by_f = q.numel() * 2 * 2 + B * M * T * (D * 2 + 4)              # q, o, gathered kv rows + indices
+    by_b = q.numel() * 2 * 4 + B * M * T * (D * 2 + D * 4 + 4)      # q, o, do, dq + kv rows read, dkv rows added
     print(f"-- sparse attention, release prefill: B={B} M={M} H={H} D={D} T={T} N={N}; "
           f"holes {(idx < 0).float().mean().item():.1%}; FLOPs fwd 2*B*M*H*T*2D = {fl / 1e9:.1f} G, bwd 2.5x", flush=True)
-    o, lse = sa._fwd(q, kv, sink, idx, scale)
+    return dict(q=q, kv=kv, sink=sink, idx=idx, scale=D ** -0.5, fl=fl, by_f=by_f, by_b=by_b)
+
+
+def attention_fwd(results, args):
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D, T = q.shape[2], q.shape[3], idx.shape[-1]
     results.append(row("sparse_attn fwd  tilelang", bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f))
     for cfg in args.attn_fwd_cfgs:                 # tile-configuration sweep of the forward kernel
         try:
@@ -77,8 +81,25 @@ def attention(results, args):
                                bench(lambda: kf(q, kv, sink, idx)), fl, by_f))
         except Exception as e:
             print(f"  fwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    results.append(row("sparse_attn fwd  torch reference", bench(lambda: reference.sparse_attn(q, kv, sink, idx, scale), 2, 5),
+                       fl, by_f))
+    kvg = kv[0, idx[0].clamp_min(0).long()]                            # [M, T, D] gathered once
+    mask = (idx[0] >= 0)[:, None, None, :]                             # [M, 1, 1, T]
+    qs = q[0][:, None]                                                 # [M, 1, H, D]: heads as the query axis
+    F = torch.nn.functional
+    results.append(row("peer: SDPA over pre-gathered KV (no sink), fwd",
+                       bench(lambda: F.scaled_dot_product_attention(qs, kvg[:, None], kvg[:, None], attn_mask=mask, scale=scale)),
+                       fl, by_f, "gather excluded; mask -> efficient/math kernel"))
+
+
+def attention_bwd(results, args):
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_b = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_b"))
+    B, M, H, D = q.shape
+    T = idx.shape[-1]
+    o, lse = sa._fwd(q, kv, sink, idx, scale)
     do = torch.randn_like(o)
-    by_b = q.numel() * 2 * 4 + B * M * T * (D * 2 + D * 4 + 4)      # q, o, do, dq + kv rows read, dkv rows added
     results.append(row("sparse_attn bwd  tilelang (delta+bwd+dsink)",
                        bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale)), 2.5 * fl, by_b))
     delta = sa.delta_kernel(H, D)(o.view(B * M, H, D), do.view(B * M, H, D))
@@ -94,23 +115,15 @@ def attention(results, args):
         except Exception as e:
             print(f"  bwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     del dkv
-    # peers
-    results.append(row("sparse_attn fwd  torch reference", bench(lambda: reference.sparse_attn(q, kv, sink, idx, scale), 2, 5),
-                       fl, by_f))
-    kvg = kv[0, idx[0].clamp_min(0).long()]                            # [M, T, D] gathered once
-    mask = (idx[0] >= 0)[:, None, None, :]                             # [M, 1, 1, T]
-    qs = q[0][:, None]                                                 # [M, 1, H, D]: heads as the query axis
     F = torch.nn.functional
-    results.append(row("peer: SDPA over pre-gathered KV (no sink), fwd",
-                       bench(lambda: F.scaled_dot_product_attention(qs, kvg[:, None], kvg[:, None], attn_mask=mask, scale=scale)),
-                       fl, by_f, "gather excluded; mask -> efficient/math kernel"))
-    qg = qs.detach().clone().requires_grad_(True)
+    kvg = kv[0, idx[0].clamp_min(0).long()]
+    mask = (idx[0] >= 0)[:, None, None, :]
+    qg = q[0][:, None].detach().clone().requires_grad_(True)
     kg = kvg[:, None].detach().clone().requires_grad_(True)
     og = F.scaled_dot_product_attention(qg, kg, kg, attn_mask=mask, scale=scale)
     dog = torch.randn_like(og)
     results.append(row("peer: SDPA over pre-gathered KV (no sink), bwd",
                        bench(lambda: torch.autograd.grad(og, (qg, kg), dog, retain_graph=True)), 2.5 * fl, by_b))
-    del kvg, qg, kg, og, dog
 
 
 def gemms(results, args):
@@ -208,10 +221,22 @@ def fp4_hc(results, args):
     results.append(row("hc_split_sinkhorn fwd+bwd torch reference", bench(lambda: fb(reference.hc_split_sinkhorn)), None, by))
 
 
+# name -> section(results, args); each kernel family owns one entry (--only picks some)
+SECTIONS = {
+    "ceilings": lambda results, args: ceilings(results),
+    "attnfwd": attention_fwd,
+    "attnbwd": attention_bwd,
+    "gemm": gemms,
+    "fp4gemm": fp4_gemms,
+    "quant": quantizers,
+    "fp4hc": fp4_hc,
+}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, default=4096, help="queries / GEMM rows (release prefill 4096)")
-    p.add_argument("--only", default="ceilings,attention,gemm,fp4gemm,quant,fp4hc")
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ",".join(SECTIONS))
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -230,11 +255,13 @@ def main(argv=None):
         print(f"tilelang unavailable: {e}")
     print(f"{'kernel':<48s} {'ms':>9s} {'TFLOP/s':>9s} {'GB/s':>9s}")
     results = []
-    for part in args.only.split(","):
+    parts = args.only.split(",")
+    unknown = [p for p in parts if p not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"--only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    for part in parts:
         try:
-            {"ceilings": ceilings, "attention": attention, "gemm": gemms, "fp4gemm": fp4_gemms, "quant": quantizers,
-             "fp4hc": fp4_hc}[part](results, args) \
-                if part != "ceilings" else ceilings(results)
+            SECTIONS[part](results, args)
         except Exception as e:
             import traceback
             traceback.print_exc()

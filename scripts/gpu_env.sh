@@ -1,0 +1,18 @@
+# Source on the GPU machine (from the repository root) before the GPU tests or the kernel bench:
+#   source scripts/gpu_env.sh && python3 -m pytest -q tests/test_gpu_*.py && python3 -m functional_dsv41.kernels.bench
+# Unpacks .tl/site.tar.xz (made by scripts/prepare_tilelang_wheels.sh, carried to the machine) and, when present,
+# .tl/tlcache.tar.xz (TileLang's kernel cache, built here by scripts/pack_tl_cache.sh for sm_90a: kernels found in
+# it are not compiled again there), and points Python at the repository without installing it.
+set -e
+_root=$PWD
+mkdir -p /tmp/site /tmp/pkg/functional_dsv41
+[ -f /tmp/site/.done ] || { tar xJf .tl/site.tar.xz -C /tmp/site && touch /tmp/site/.done; }
+for f in "$_root"/functional_dsv41/*; do ln -sfn "$f" /tmp/pkg/functional_dsv41/; done
+for d in kernels params train; do ln -sfn "$_root/$d" /tmp/pkg/functional_dsv41/$d; done
+export PYTHONPATH=/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
+if [ -f .tl/tlcache.tar.xz ]; then
+  mkdir -p /tmp/tlcache && tar xJf .tl/tlcache.tar.xz -C /tmp/tlcache
+  export TILELANG_CACHE_DIR=/tmp/tlcache
+  export DSV41_TL_TARGET='{"kind":"cuda","arch":"sm_90a"}'   # the key the cache was built under
+fi
+set +e

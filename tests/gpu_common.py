@@ -1,0 +1,25 @@
+"""Shared helpers of the GPU kernel tests (tests/test_gpu_*.py): device, skip rule, bf16 closeness."""
+import pytest
+import torch
+
+from functional_dsv41 import kernels as K
+
+DEV = "cuda"
+
+
+def need_tilelang():
+    ok, why = K.tilelang_status()
+    if not ok:
+        pytest.skip(f"TileLang unavailable: {why}")
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def close_bf16(out, ref, ulps=2):
+    """(count, max) of |out - ref| > ulps * 2^-8 * (|ref| + 1e-2 * max|ref|)  (bf16 has 8 significant bits)."""
+    o, r = out.float(), ref.float()
+    tol = ulps * 2.0 ** -8 * (r.abs() + 1e-2 * r.abs().max())
+    bad = (o - r).abs() > tol
+    return int(bad.sum()), float((o - r).abs().max())

@@ -1,0 +1,95 @@
+"""TileLang fp8 and fp4 GEMMs against the torch reference (SPEC §10; issue #7). GPU only: tests/conftest.py skips
+them without CUDA. Outputs within one bf16 ulp of the reference on all but 1e-4 of the elements.
+"""
+import pytest
+import torch
+
+from functional_dsv41 import kernels as K
+from functional_dsv41 import quant as Q
+
+from conftest import cosine_diff
+from gpu_common import DEV, close_bf16 as _close_bf16, need_tilelang as _need_tilelang
+
+pytestmark = pytest.mark.gpu
+
+
+# ----------------------------------------------------------------------------- fp8 GEMM
+GEMM_SHAPES = [(5, 70, 96), (128, 2304, 5120), (300, 5120, 2304), (4096, 5120, 5120)]
+
+
+def _fp8_operands(M, N, K, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(M, K, device=DEV, generator=g) *
+         torch.exp2(torch.randint(-4, 5, (M, K // 32), device=DEV, generator=g).float()).repeat_interleave(32, 1))
+    a, a_s = Q.act_quant(x.bfloat16(), 32, "ue8m0", Q.E8M0)
+    w = torch.randn(N, K, device=DEV, generator=g) * 0.02
+    b, b_s = Q.quant_fp8_block(w)
+    return a, a_s, b, b_s
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm(shape):
+    _need_tilelang()
+    a, a_s, b, b_s = _fp8_operands(*shape)
+    c = K.fp8_gemm(a, a_s, b, b_s, impl="tilelang")
+    ref = K.fp8_gemm(a, a_s, b, b_s, impl="torch")
+    assert c.dtype == torch.bfloat16 and c.shape == ref.shape
+    assert cosine_diff(c, ref) < 1e-5
+    nbad, mx = _close_bf16(c, ref, ulps=2)          # 2 * 2^-8 relative = one bf16 ulp at worst
+    assert nbad <= c.numel() * 1e-4, (nbad, mx)
+
+
+def test_fp8_gemm_leading_dims():
+    _need_tilelang()
+    a, a_s, b, b_s = _fp8_operands(6, 256, 512, seed=1)
+    a3, s3 = a.view(2, 3, 512), a_s.view(2, 3, 16)
+    c = K.fp8_gemm(a3, s3, b, b_s, impl="tilelang")
+    assert c.shape == (2, 3, 256)
+    assert cosine_diff(c, K.fp8_gemm(a3, s3, b, b_s, impl="torch")) < 1e-5
+
+
+
+# ----------------------------------------------------------------------------- fp4 GEMM (fp8 act x fp4 weight)
+FP4_GEMM_SHAPES = [(5, 70, 96), (128, 2304, 5120), (300, 5120, 2304), (4096, 2304, 5120), (4096, 5120, 2304)]
+
+
+def _fp4_gemm_operands(M, N, K, seed=0, act_block=32):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(M, K, device=DEV, generator=g) *
+         torch.exp2(torch.randint(-4, 5, (M, K // 32), device=DEV, generator=g).float()).repeat_interleave(32, 1))
+    a, a_s = Q.act_quant(x.bfloat16(), act_block, "ue8m0", Q.E8M0)
+    w = (torch.randn(N, K, device=DEV, generator=g) * 0.02 *
+         torch.exp2(torch.randint(-3, 4, (N, K // 32), device=DEV, generator=g).float()).repeat_interleave(32, 1))
+    b, b_s = Q.quant_fp4(w)
+    return a, a_s, b, b_s
+
+
+@pytest.mark.parametrize("shape", FP4_GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp4_gemm(shape):
+    _need_tilelang()
+    a, a_s, b, b_s = _fp4_gemm_operands(*shape)
+    c = K.fp4_gemm(a, a_s, b, b_s, impl="tilelang")
+    ref = K.fp4_gemm(a, a_s, b, b_s, impl="torch")
+    assert c.dtype == torch.bfloat16 and c.shape == ref.shape
+    cd = cosine_diff(c, ref)
+    nbad, mx = _close_bf16(c, ref, ulps=2)          # 2 * 2^-8 relative = one bf16 ulp at worst
+    print(f"fp4_gemm {shape}: cosine diff {cd:.2e}, beyond 1 ulp {nbad}/{c.numel()}, max abs {mx:.3e}")
+    assert cd < 1e-5
+    assert nbad <= c.numel() * 1e-4, (nbad, mx)
+
+
+def test_fp4_gemm_leading_dims_act_block128():
+    _need_tilelang()
+    a, a_s, b, b_s = _fp4_gemm_operands(6, 256, 512, seed=1, act_block=128)
+    a3, s3 = a.view(2, 3, 512), a_s.view(2, 3, 4)
+    c = K.fp4_gemm(a3, s3, b, b_s, act_block_size=128, impl="tilelang")
+    ref = K.fp4_gemm(a3, s3, b, b_s, act_block_size=128, impl="torch")
+    assert c.shape == (2, 3, 256)
+    assert cosine_diff(c, ref) < 1e-5
+    assert _close_bf16(c, ref, ulps=2)[0] <= 1
+
+
+def test_auto_picks_tilelang_fp4_gemm():
+    _need_tilelang()
+    from functional_dsv41.kernels import tilelang as tl
+    assert K.resolve("fp4_gemm", "auto", on_cuda=True) is tl.fp4_gemm

@@ -1,0 +1,100 @@
+"""TileLang quantizers (act_quant, fp4_act_quant) against the torch reference (SPEC §10; issue #7). GPU only: tests/conftest.py skips
+them without CUDA. Bit-exact: codes and scales.
+"""
+import pytest
+import torch
+
+from functional_dsv41 import kernels as K
+from functional_dsv41 import quant as Q
+
+from gpu_common import DEV, as_bytes as _bytes, need_tilelang as _need_tilelang
+
+pytestmark = pytest.mark.gpu
+
+
+# ----------------------------------------------------------------------------- quantizers (bit-exact)
+@pytest.mark.parametrize("shape", [(7, 96), (4096, 5120), (3, 5, 2304), (1, 32)])
+def test_act_quant_bit_exact(shape):
+    _need_tilelang()
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(shape, device=DEV, generator=g)
+    x = x * torch.exp2(torch.randint(-30, 12, x.shape[:-1] + (x.shape[-1] // 32, 1), device=DEV,
+                                     generator=g).float()).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    x = x.bfloat16()
+    x.view(-1)[:32] = 1e-6                                   # a block under the 1e-4 floor
+    q, s = K.act_quant(x, 32, "ue8m0", Q.E8M0, impl="tilelang")
+    q_r, s_r = K.act_quant(x, 32, "ue8m0", Q.E8M0, impl="torch")
+    assert q.dtype == Q.FP8 and s.dtype == Q.E8M0 and q.shape == q_r.shape and s.shape == s_r.shape
+    assert torch.equal(_bytes(q), _bytes(q_r))
+    assert torch.equal(_bytes(s), _bytes(s_r))
+
+
+def test_act_quant_golden():
+    _need_tilelang()
+    from conftest import golden
+    gd = golden("kernels")
+    x = gd["act_quant.x"].to(DEV)
+    q, s = K.act_quant(x, 32, "ue8m0", Q.E8M0, impl="tilelang")
+    assert torch.equal(_bytes(q).cpu(), _bytes(gd["act_quant.q"]))
+    assert torch.equal(_bytes(s).cpu(), _bytes(gd["act_quant.s"]))
+
+
+def test_auto_picks_tilelang_on_cuda():
+    _need_tilelang()
+    from functional_dsv41.kernels import tilelang as tl
+    assert K.resolve("sparse_attn", "auto", on_cuda=True) is tl.sparse_attn
+    assert K.resolve("sparse_attn", "auto", on_cuda=False) is K.reference.sparse_attn
+
+
+
+# ----------------------------------------------------------------------------- fp4 activation quant (bit-exact)
+def _fp4_input(shape, bs, seed=11):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(shape, device=DEV, generator=g)
+    e = torch.randint(-40, 40, x.shape[:-1] + (x.shape[-1] // bs, 1), device=DEV, generator=g).float()
+    x = (x * torch.exp2(e).expand(*x.shape[:-1], -1, bs).flatten(-2)).bfloat16()
+    flat = x.view(-1)
+    n = min(flat.numel(), 4 * bs)
+    # exact code ties, signed zeros, subnormals, the clamp edge, an all-zero block, a tiny block
+    special = torch.tensor([0.25, 0.75, 1.25, -1.75, 2.5, -3.5, 5.0, 6.0, -0.0, 0.0, 1e-40, -1e-40, -6.0,
+                            0.5, 3.0, -4.0] * 8, device=DEV).bfloat16()
+    flat[:min(n, bs)] = special[:min(n, bs)]
+    if n >= 2 * bs:
+        flat[bs:2 * bs] = 0.0
+    if n >= 3 * bs:
+        flat[2 * bs:3 * bs] = torch.randn(bs, device=DEV, generator=g).bfloat16() * 1e-30
+    return x
+
+
+FP4_CASES = [  # shape, block, scale dtype
+    ((4096, 512), 32, "e8m0"), ((4096 * 32, 128), 16, "e4m3"),
+    ((7, 96), 32, "e8m0"), ((3, 5, 64), 16, "e4m3"), ((1, 32), 32, "e8m0"), ((5, 48), 16, "e4m3"),
+]
+
+
+@pytest.mark.parametrize("shape,bs,sd", FP4_CASES, ids=lambda c: str(c).replace(" ", ""))
+def test_fp4_act_quant_bit_exact(shape, bs, sd):
+    _need_tilelang()
+    sdt = Q.E8M0 if sd == "e8m0" else Q.FP8
+    x = _fp4_input(shape, bs)
+    p, s = K.fp4_act_quant(x, bs, sdt, impl="tilelang")
+    p_r, s_r = K.fp4_act_quant(x, bs, sdt, impl="torch")
+    assert p.dtype == torch.uint8 and s.dtype == sdt and p.shape == p_r.shape and s.shape == s_r.shape
+    bad_p = int((_bytes(p) != _bytes(p_r)).sum())
+    bad_s = int((_bytes(s) != _bytes(s_r)).sum())
+    print(f"fp4_act_quant {shape} /{bs} {sd}: {bad_p} packed bytes, {bad_s} scales differ")
+    assert bad_p == 0 and bad_s == 0
+
+
+def test_fp4_act_quant_golden():
+    _need_tilelang()
+    from conftest import golden
+    gd = golden("kernels")
+    x = gd["fp4_act_quant.x"].to(DEV)
+    for name, bs, sdt in (("e8m0", 32, Q.E8M0), ("e4m3", 16, Q.FP8)):
+        key = f"fp4_act_quant.{name}.packed"
+        if key not in gd:
+            pytest.skip(f"golden fixture lacks {key}")
+        p, s = K.fp4_act_quant(x, bs, sdt, impl="tilelang")
+        assert torch.equal(_bytes(p).cpu(), _bytes(gd[key]))
+        assert torch.equal(_bytes(s).cpu(), _bytes(gd[f"fp4_act_quant.{name}.s"]))
