@@ -15,4 +15,6 @@ if [ -f .tl/tlcache.tar.xz ]; then
   export TILELANG_CACHE_DIR=/tmp/tlcache
   export DSV41_TL_TARGET='{"kind":"cuda","arch":"sm_90a"}'   # the key the cache was built under
 fi
+# the kernel golden fixtures (copied by scripts/pack_tl_cache.sh; ../shared does not travel)
+[ -d .tl/fixtures ] && export DSV41_FIXTURES=$_root/.tl/fixtures
 set +e
