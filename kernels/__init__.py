@@ -19,7 +19,14 @@ from typing import Callable
 
 from . import reference
 
-OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn", "hc_split_sinkhorn")
+class Unsupported(ValueError):
+    """Raised by a TileLang op, before it launches anything, for inputs it does not implement (e.g. a head
+    count or dtype its tiles do not cover) although the op is defined for them. ``impl="auto"`` then runs the
+    torch reference instead; ``impl="tilelang"`` lets it propagate."""
+
+
+OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn", "hc_split_sinkhorn",
+       "index_scores", "index_topk", "index_candidates")
 IMPLS = ("auto", "torch", "tilelang")
 
 
@@ -92,7 +99,14 @@ def _first_tensor_is_cuda(args) -> bool:
 
 def _dispatcher(name: str):
     def op(*args, impl: str | None = None, **kwargs):
-        return resolve(name, impl, on_cuda=_first_tensor_is_cuda(args))(*args, **kwargs)
+        impl = impl or default_impl()
+        fn = resolve(name, impl, on_cuda=_first_tensor_is_cuda(args))
+        try:
+            return fn(*args, **kwargs)
+        except Unsupported:
+            if impl != "auto":
+                raise
+            return getattr(reference, name)(*args, **kwargs)
     op.__name__ = name
     op.__doc__ = getattr(reference, name).__doc__
     return op
@@ -104,3 +118,6 @@ fp8_gemm = _dispatcher("fp8_gemm")
 fp4_gemm = _dispatcher("fp4_gemm")
 sparse_attn = _dispatcher("sparse_attn")
 hc_split_sinkhorn = _dispatcher("hc_split_sinkhorn")
+index_scores = _dispatcher("index_scores")
+index_topk = _dispatcher("index_topk")
+index_candidates = _dispatcher("index_candidates")

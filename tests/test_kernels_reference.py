@@ -96,3 +96,31 @@ def test_impl_switch():
         assert K.resolve("fp8_gemm", "auto", on_cuda=False) is K.reference.fp8_gemm
         with pytest.raises(RuntimeError, match="TileLang cannot run here"):
             K.resolve("fp8_gemm", "tilelang")
+
+
+def test_auto_falls_back_on_unsupported(monkeypatch):
+    """A TileLang op that raises ``Unsupported`` (before launching) is replaced by the torch reference under
+    impl="auto" and propagates under impl="tilelang"; any other error propagates under both."""
+    calls = []
+
+    def fake_tl(*args, **kwargs):
+        calls.append(args)
+        raise K.Unsupported("sparse_attn (tilelang): 4 heads")
+
+    monkeypatch.setattr(K, "resolve", lambda name, impl=None, on_cuda=True:
+                        K.reference.sparse_attn if impl == "torch" else fake_tl)
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(1, 3, 4, 16, generator=g), torch.randn(1, 5, 16, generator=g)
+    sink, idx = torch.zeros(4), torch.tensor([[[0, 1], [2, -1], [4, 3]]])
+    out = K.sparse_attn(q, kv, sink, idx, 0.25, impl="auto")
+    assert len(calls) == 1
+    torch.testing.assert_close(out, K.reference.sparse_attn(q, kv, sink, idx, 0.25), atol=0, rtol=0)
+    with pytest.raises(K.Unsupported, match="4 heads"):
+        K.sparse_attn(q, kv, sink, idx, 0.25, impl="tilelang")
+    assert issubclass(K.Unsupported, ValueError)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(K, "resolve", lambda name, impl=None, on_cuda=True: broken)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        K.sparse_attn(q, kv, sink, idx, 0.25, impl="auto")
