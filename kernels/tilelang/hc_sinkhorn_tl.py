@@ -1,18 +1,24 @@
-"""mHC mix split + Sinkhorn-Knopp (SPEC §2, §10.6), TileLang forward, torch backward.
+"""mHC mix split + Sinkhorn-Knopp (SPEC §2, §10.6), TileLang forward and backward.
 
 Forward (one thread per token, everything in registers): ``pre = sigmoid(m[:hc]*s0 + b[:hc]) + eps``,
 ``post = 2*sigmoid(m[hc:2hc]*s1 + b[hc:2hc])``, ``comb = softmax(m[2hc:]*s2 + b[2hc:]) + eps`` per row,
 a column normalisation, then ``iters - 1`` (row, column) normalisations ``c / (sum + eps)``; sums are
-sequential adds in index order as in ``reference.hc_split_sinkhorn``, divisions IEEE (``T.ieee_fdiv``),
-exp the fast-math one (matches the reference within ~1e-6 fp32).
+sequential adds in index order as in ``reference.hc_split_sinkhorn``, divisions IEEE (``T.ieee_fdiv``;
+``fast_div=True``: one reciprocal per sum and multiplies), exp the fast-math one (matches the reference
+within ~1e-6 fp32).
 
-Backward (``_HcSplitSinkhorn.backward``): recomputes the forward in torch keeping the ``2*iters``
-normalised matrices ([N, hc, hc] each, 2.6 MB per 4096 tokens), then runs the chain rule in reverse by
-hand: for ``y = x / (sum_d x + eps)``, ``dx = (dy - sum_d(dy * y)) / (sum_d x + eps)``; softmax
-``da = p * (dp - sum(dp * p))``; sigmoid ``da = dy * s * (1 - s)``. Plain tensor maths, no autograd
-inside, so it works under ``torch.autograd`` and ``torch.func.grad``/``vjp`` alike.
+Backward, two implementations (``bwd=`` / ``DSV41_HC_BWD``; "torch" stays the default until measured):
+- "torch" (``_bwd``): recomputes the forward in torch keeping the ``2*iters`` normalised matrices
+  ([N, hc, hc] each, 2.6 MB per 4096 tokens), then runs the chain rule in reverse by hand: for
+  ``y = x / (sum_d x + eps)``, ``dx = (dy - sum_d(dy * y)) / (sum_d x + eps)``; softmax
+  ``da = p * (dp - sum(dp * p))``; sigmoid ``da = dy * s * (1 - s)``. ~120 small launches.
+- "tilelang" (``_bwd_tl``, ``hc_split_sinkhorn_bwd_kernel``): the same maths per token in one kernel,
+  keeping only the denominators and rebuilding each step's input as ``y * den`` during the reverse sweep.
+Both are plain tensor maths / kernels with no autograd inside, so they work under ``torch.autograd`` and
+``torch.func.grad``/``vjp`` alike.
 """
 import functools
+import os
 
 import torch
 import tilelang.language as T
@@ -23,12 +29,44 @@ F32 = "float32"
 
 
 @functools.lru_cache(maxsize=None)
-def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128):
-    """mixes [N, (2+hc)*hc] fp32, scale [3], base [(2+hc)*hc] -> pre [N, hc], post [N, hc], comb [N, hc*hc]."""
+def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128, fast_div: bool = False):
+    """mixes [N, (2+hc)*hc] fp32, scale [3], base [(2+hc)*hc] -> pre [N, hc], post [N, hc], comb [N, hc*hc].
+
+    ``fast_div``: one IEEE reciprocal per row/column sum and hc multiplies instead of hc IEEE divisions
+    (1-ulp different rounding per step; DESIGN asks fp32 within 1e-5, the CPU path stays bit-exact with
+    the torch reference). ``threads``: tokens per CTA (one thread each)."""
     N = T.dynamic("N")
     W = (2 + hc) * hc
     HH = hc * hc
     C0 = 2 * hc
+
+    @T.macro
+    def _row_norm(c, acc):
+        for i in T.unroll(hc):
+            acc[0] = c[i * hc]
+            for j in T.unroll(1, hc):
+                acc[0] = acc[0] + c[i * hc + j]
+            if fast_div:
+                acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+                for j in T.unroll(hc):
+                    c[i * hc + j] = c[i * hc + j] * acc[0]
+            else:
+                for j in T.unroll(hc):
+                    c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0] + T.float32(eps))
+
+    @T.macro
+    def _col_norm(c, acc):
+        for j in T.unroll(hc):
+            acc[0] = c[j]
+            for i in T.unroll(1, hc):
+                acc[0] = acc[0] + c[i * hc + j]
+            if fast_div:
+                acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+                for i in T.unroll(hc):
+                    c[i * hc + j] = c[i * hc + j] * acc[0]
+            else:
+                for i in T.unroll(hc):
+                    c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0] + T.float32(eps))
 
     @T.prim_func
     def hc_split_sinkhorn(
@@ -65,32 +103,172 @@ def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128
                     acc[0] = c[i * hc]
                     for j in T.unroll(1, hc):
                         acc[0] = acc[0] + c[i * hc + j]
-                    for j in T.unroll(hc):
-                        c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0]) + T.float32(eps)
-                # column normalisation, then (iters - 1) x (row, column)
-                for j in T.unroll(hc):
-                    acc[0] = c[j]
-                    for i in T.unroll(1, hc):
-                        acc[0] = acc[0] + c[i * hc + j]
-                    for i in T.unroll(hc):
-                        c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0] + T.float32(eps))
-                for _ in T.serial(iters - 1):
-                    for i in T.unroll(hc):
-                        acc[0] = c[i * hc]
-                        for j in T.unroll(1, hc):
-                            acc[0] = acc[0] + c[i * hc + j]
+                    if fast_div:
+                        acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0])
                         for j in T.unroll(hc):
-                            c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0] + T.float32(eps))
-                    for j in T.unroll(hc):
-                        acc[0] = c[j]
-                        for i in T.unroll(1, hc):
-                            acc[0] = acc[0] + c[i * hc + j]
-                        for i in T.unroll(hc):
-                            c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0] + T.float32(eps))
+                            c[i * hc + j] = c[i * hc + j] * acc[0] + T.float32(eps)
+                    else:
+                        for j in T.unroll(hc):
+                            c[i * hc + j] = T.ieee_fdiv(c[i * hc + j], acc[0]) + T.float32(eps)
+                # column normalisation, then (iters - 1) x (row, column)
+                _col_norm(c, acc)
+                for _ in T.serial(iters - 1):
+                    _row_norm(c, acc)
+                    _col_norm(c, acc)
                 for k in T.unroll(HH):
                     Comb[n, k] = c[k]
 
     return compile_kernel(hc_split_sinkhorn, out_idx=[3, 4, 5])
+
+
+@functools.lru_cache(maxsize=None)
+def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int = 128):
+    """Backward, one thread per token: mixes [N, W], scale [3], base [W], g_pre [N, hc], g_post [N, hc],
+    g_comb [N, hc*hc] -> d mixes [N, W] and per-CTA partial sums [ceil(N / threads), W + 3] of
+    (d base [W], d scale [3]) (W = (2+hc)*hc; the caller sums the partials over CTAs).
+
+    Recomputes the forward in registers keeping only the 2*iters*hc denominators ``den = sum + eps``
+    (local memory, 640 B/thread at hc 4 / 20 iterations), then sweeps the normalisations in reverse:
+    for ``y = x / den`` (den broadcast along the summed dim), ``dx = (dy - sum_d(dy * y)) / den`` and
+    ``x = y * den`` rebuilds the step's input from its output (no stored matrices; rounding drift
+    ~1e-6 relative after 40 steps, checked on CPU against float64 autograd). Softmax
+    ``da = p * (dp - sum_j dp * p)`` with p recomputed; sigmoid ``da = g * s * (1 - s)`` (x2 for post).
+    Divisions by den are one IEEE reciprocal + multiplies (gradients need ~1e-4 relative, not bits).
+
+    d scale / d base are token reductions: each CTA reduces its ``threads`` tokens through shared memory
+    in a fixed order and writes one partial row; the caller adds the ceil(N / threads) rows (one small
+    torch sum). Chosen over fp32 atomics for determinism (the same gradients on every run) and because
+    27 addresses hit by 4096 atomics each would serialise in L2 anyway."""
+    N = T.dynamic("N")
+    NB = T.dynamic("NB")
+    W = (2 + hc) * hc
+    HH = hc * hc
+    C0 = 2 * hc
+    R = W + 3
+    S = 2 * iters - 1                        # normalisation steps: column, then (row, column) x (iters-1)
+    assert R <= threads
+
+    @T.prim_func
+    def hc_split_sinkhorn_bwd(
+        Mx: T.Tensor([N, W], F32),
+        Sc: T.Tensor([3], F32),
+        Bs: T.Tensor([W], F32),
+        Gp: T.Tensor([N, hc], F32),
+        Gq: T.Tensor([N, hc], F32),
+        Gc: T.Tensor([N, HH], F32),
+        Dm: T.Tensor([N, W], F32),
+        Part: T.Tensor([NB, R], F32),
+    ):
+        with T.Kernel(T.ceildiv(N, threads), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            m = T.alloc_local([W], F32)
+            p = T.alloc_local([HH], F32)          # softmax output (no eps)
+            c = T.alloc_local([HH], F32)          # y of the current step (forward, then rebuilt in reverse)
+            g = T.alloc_local([HH], F32)          # gradient w.r.t. c
+            den = T.alloc_local([S * hc], F32)    # sum + eps of every step
+            red = T.alloc_local([R], F32)         # this token's d base (W) and d scale (3)
+            acc = T.alloc_local([1], F32)
+            r = T.alloc_local([1], F32)
+            sh = T.alloc_shared([threads, R], F32)
+            n = bx * threads + tx
+            for k in T.unroll(R):
+                red[k] = T.float32(0.0)
+            if n < N:
+                for k in T.unroll(W):
+                    m[k] = Mx[n, k]
+                # sigmoid parts: d a = g * s * (1 - s); post = 2 * sigmoid
+                for k in T.unroll(hc):
+                    acc[0] = T.ieee_fdiv(T.float32(1.0), T.float32(1.0) + T.exp(-(m[k] * Sc[0] + Bs[k])))
+                    red[k] = Gp[n, k] * acc[0] * (T.float32(1.0) - acc[0])
+                    acc[0] = T.ieee_fdiv(T.float32(1.0), T.float32(1.0) + T.exp(-(m[hc + k] * Sc[1] + Bs[hc + k])))
+                    red[hc + k] = T.float32(2.0) * Gq[n, k] * acc[0] * (T.float32(1.0) - acc[0])
+                # forward recompute: softmax, then the normalisations keeping den
+                for k in T.unroll(HH):
+                    p[k] = m[C0 + k] * Sc[2] + Bs[C0 + k]
+                for i in T.unroll(hc):
+                    acc[0] = p[i * hc]
+                    for j in T.unroll(1, hc):
+                        acc[0] = T.max(acc[0], p[i * hc + j])
+                    for j in T.unroll(hc):
+                        p[i * hc + j] = T.exp(p[i * hc + j] - acc[0])
+                    acc[0] = p[i * hc]
+                    for j in T.unroll(1, hc):
+                        acc[0] = acc[0] + p[i * hc + j]
+                    acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0])
+                    for j in T.unroll(hc):
+                        p[i * hc + j] = p[i * hc + j] * acc[0]
+                        c[i * hc + j] = p[i * hc + j] + T.float32(eps)
+                for st in T.serial(S):
+                    if st % 2 == 0:                  # column step (sum over rows i)
+                        for j in T.unroll(hc):
+                            acc[0] = c[j]
+                            for i in T.unroll(1, hc):
+                                acc[0] = acc[0] + c[i * hc + j]
+                            den[st * hc + j] = acc[0] + T.float32(eps)
+                            r[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+                            for i in T.unroll(hc):
+                                c[i * hc + j] = c[i * hc + j] * r[0]
+                    else:                            # row step (sum over columns j)
+                        for i in T.unroll(hc):
+                            acc[0] = c[i * hc]
+                            for j in T.unroll(1, hc):
+                                acc[0] = acc[0] + c[i * hc + j]
+                            den[st * hc + i] = acc[0] + T.float32(eps)
+                            r[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+                            for j in T.unroll(hc):
+                                c[i * hc + j] = c[i * hc + j] * r[0]
+                # reverse sweep
+                for k in T.unroll(HH):
+                    g[k] = Gc[n, k]
+                for rs in T.serial(S):
+                    if (S - 1 - rs) % 2 == 0:        # column step
+                        for j in T.unroll(hc):
+                            acc[0] = g[j] * c[j]
+                            for i in T.unroll(1, hc):
+                                acc[0] = acc[0] + g[i * hc + j] * c[i * hc + j]
+                            r[0] = den[(S - 1 - rs) * hc + j]
+                            for i in T.unroll(hc):
+                                c[i * hc + j] = c[i * hc + j] * r[0]
+                            r[0] = T.ieee_fdiv(T.float32(1.0), r[0])
+                            for i in T.unroll(hc):
+                                g[i * hc + j] = (g[i * hc + j] - acc[0]) * r[0]
+                    else:                            # row step
+                        for i in T.unroll(hc):
+                            acc[0] = g[i * hc] * c[i * hc]
+                            for j in T.unroll(1, hc):
+                                acc[0] = acc[0] + g[i * hc + j] * c[i * hc + j]
+                            r[0] = den[(S - 1 - rs) * hc + i]
+                            for j in T.unroll(hc):
+                                c[i * hc + j] = c[i * hc + j] * r[0]
+                            r[0] = T.ieee_fdiv(T.float32(1.0), r[0])
+                            for j in T.unroll(hc):
+                                g[i * hc + j] = (g[i * hc + j] - acc[0]) * r[0]
+                # softmax: d a = p * (g - sum_j g * p)
+                for i in T.unroll(hc):
+                    acc[0] = g[i * hc] * p[i * hc]
+                    for j in T.unroll(1, hc):
+                        acc[0] = acc[0] + g[i * hc + j] * p[i * hc + j]
+                    for j in T.unroll(hc):
+                        red[C0 + i * hc + j] = p[i * hc + j] * (g[i * hc + j] - acc[0])
+                # d mixes = d a * scale; d scale = sum d a * mixes per segment
+                for k in T.unroll(hc):
+                    Dm[n, k] = red[k] * Sc[0]
+                    Dm[n, hc + k] = red[hc + k] * Sc[1]
+                    red[W] = red[W] + red[k] * m[k]
+                    red[W + 1] = red[W + 1] + red[hc + k] * m[hc + k]
+                for k in T.unroll(HH):
+                    Dm[n, C0 + k] = red[C0 + k] * Sc[2]
+                    red[W + 2] = red[W + 2] + red[C0 + k] * m[C0 + k]
+            # per-CTA partials: fixed-order sums over the CTA's tokens (deterministic)
+            for k in T.unroll(R):
+                sh[tx, k] = red[k]
+            if tx < R:
+                acc[0] = T.float32(0.0)
+                for t in T.serial(threads):
+                    acc[0] = acc[0] + sh[t, tx]
+                Part[bx, tx] = acc[0]
+
+    return compile_kernel(hc_split_sinkhorn_bwd)
 
 
 def _fwd(mixes, hc_scale, hc_base, hc, iters, eps):
@@ -141,32 +319,63 @@ def _bwd(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps):
     return dm.reshape(mixes.shape).to(mixes.dtype), dsc.to(hc_scale.dtype), dbs.to(hc_base.dtype)
 
 
+def _bwd_tl(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads=128):
+    """Same contract as ``_bwd``, by ``hc_split_sinkhorn_bwd_kernel`` (+ one torch sum of its per-CTA
+    partials)."""
+    W = mixes.shape[-1]
+    m = mixes.float().reshape(-1, W).contiguous()
+    N = m.shape[0]
+    if N == 0:
+        return torch.zeros_like(mixes), torch.zeros_like(hc_scale), torch.zeros_like(hc_base)
+    nb = (N + threads - 1) // threads
+    dm = torch.empty_like(m)
+    part = m.new_empty(nb, W + 3)
+    k = hc_split_sinkhorn_bwd_kernel(int(hc), int(iters), float(eps), int(threads))
+    k(m, hc_scale.float().contiguous(), hc_base.float().contiguous(),
+      g_pre.float().reshape(N, hc).contiguous(), g_post.float().reshape(N, hc).contiguous(),
+      g_comb.float().reshape(N, hc * hc).contiguous(), dm, part)
+    red = part.sum(0)
+    return (dm.reshape(mixes.shape).to(mixes.dtype), red[W:].to(hc_scale.dtype), red[:W].to(hc_base.dtype))
+
+
+# Backward used when ``hc_split_sinkhorn(bwd=None)``: "torch" (recompute in torch, ``_bwd``) or
+# "tilelang" (``hc_split_sinkhorn_bwd_kernel``). Stays "torch" until the kernel is measured on the GPU.
+BWD_DEFAULT = os.environ.get("DSV41_HC_BWD", "torch")
+_BWD = {"torch": _bwd, "tilelang": _bwd_tl}
+
+
 class _HcSplitSinkhorn(torch.autograd.Function):
-    """TileLang forward; backward recomputes in torch (setup_context form, for torch.func transforms)."""
+    """TileLang forward; backward by ``_BWD[bwd]`` (setup_context form, for torch.func transforms)."""
 
     @staticmethod
-    def forward(mixes, hc_scale, hc_base, hc, iters, eps):
+    def forward(mixes, hc_scale, hc_base, hc, iters, eps, bwd):
         return _fwd(mixes, hc_scale, hc_base, hc, iters, eps)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        mixes, hc_scale, hc_base, hc, iters, eps = inputs
+        mixes, hc_scale, hc_base, hc, iters, eps, bwd = inputs
         ctx.save_for_backward(mixes, hc_scale, hc_base)
         ctx.cfg = (hc, iters, eps)
+        ctx.bwd = bwd
 
     @staticmethod
     def backward(ctx, g_pre, g_post, g_comb):
         mixes, hc_scale, hc_base = ctx.saved_tensors
-        dm, dsc, dbs = _bwd(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, *ctx.cfg)
-        return dm, dsc, dbs, None, None, None
+        dm, dsc, dbs = _BWD[ctx.bwd](mixes, hc_scale, hc_base, g_pre, g_post, g_comb, *ctx.cfg)
+        return dm, dsc, dbs, None, None, None, None
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
-                      hc_mult: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6):
-    """Same contract as ``reference.hc_split_sinkhorn``: (pre [.., hc], post [.., hc], comb [.., hc, hc]) fp32."""
+                      hc_mult: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6, bwd: str | None = None):
+    """Same contract as ``reference.hc_split_sinkhorn``: (pre [.., hc], post [.., hc], comb [.., hc, hc]) fp32.
+
+    ``bwd``: "torch" (recompute in torch) or "tilelang" (backward kernel); None -> ``BWD_DEFAULT``."""
+    bwd = bwd or BWD_DEFAULT
+    if bwd not in _BWD:
+        raise ValueError(f"bwd must be one of {list(_BWD)}, got {bwd!r}")
     if mixes.shape[-1] != (2 + hc_mult) * hc_mult:
         raise ValueError(f"mixes last dim {mixes.shape[-1]} != (2 + {hc_mult}) * {hc_mult}")
     if sinkhorn_iters < 1:
         from .. import reference
         return reference.hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps)
-    return _HcSplitSinkhorn.apply(mixes, hc_scale, hc_base, int(hc_mult), int(sinkhorn_iters), float(eps))
+    return _HcSplitSinkhorn.apply(mixes, hc_scale, hc_base, int(hc_mult), int(sinkhorn_iters), float(eps), bwd)
