@@ -79,3 +79,90 @@ def test_auto_picks_tilelang_fp4_hc():
     from functional_dsv41.kernels import tilelang as tl
     assert K.resolve("hc_split_sinkhorn", "auto", on_cuda=True) is tl.hc_split_sinkhorn
     assert K.resolve("fp4_act_quant", "auto", on_cuda=True) is tl.fp4_act_quant
+
+
+# ----------------------------------------------------------------------------- TileLang backward kernel
+# (hc_split_sinkhorn_bwd_kernel, bwd="tilelang"): vs float64 autograd of the reference. "sat": large
+# |mixes| (spread 30: logits up to ~±150, saturated sigmoids and near one-hot softmax rows).
+HC_BWD_CASES = [((4096,), 4, 20, 3.0), ((2, 37), 4, 20, 3.0), ((3, 11), 2, 5, 3.0), ((130,), 4, 1, 3.0),
+                ((1,), 4, 20, 3.0), ((4096,), 4, 20, 30.0)]
+
+
+def _hs():
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import hc_sinkhorn_tl as hs
+    return hs
+
+
+def _ref_grads(m, sc, b, hc, iters):
+    ins_r = [t.double().requires_grad_() for t in (m, sc, b)]
+    g_r = torch.autograd.grad(_hc_loss(lambda *a: K.hc_split_sinkhorn(*a, impl="torch"), *ins_r, hc, iters), ins_r)
+    return [t.float() for t in g_r]
+
+
+@pytest.mark.parametrize("lead,hc,iters,spread", HC_BWD_CASES, ids=lambda c: str(c).replace(" ", ""))
+def test_hc_bwd_kernel(lead, hc, iters, spread):
+    hs = _hs()
+    m, sc, b = _hc_inputs(lead, hc, spread=spread)
+    ins = [t.clone().requires_grad_() for t in (m, sc, b)]
+    g = torch.autograd.grad(_hc_loss(lambda *a: hs.hc_split_sinkhorn(*a, bwd="tilelang"), *ins, hc, iters), ins)
+    _hc_grad_check(g, _ref_grads(m, sc, b, hc, iters))
+
+
+@pytest.mark.parametrize("threads", [32, 64])
+def test_hc_bwd_kernel_threads(threads):
+    """The CTA sizes the bench sweeps (partials: one row per CTA, N not a multiple of the CTA)."""
+    hs = _hs()
+    m, sc, b = _hc_inputs((1000,))
+    gp, gq, gc = (torch.randn(1000, *s, device=DEV) for s in ((4,), (4,), (4, 4)))
+    out = hs._bwd_tl(m, sc, b, gp, gq, gc, 4, 20, 1e-6, threads=threads)
+    ins_r = [t.double().requires_grad_() for t in (m, sc, b)]
+    outs_r = K.hc_split_sinkhorn(*ins_r, 4, 20, 1e-6, impl="torch")
+    ref = torch.autograd.grad(outs_r, ins_r, [t.double() for t in (gp, gq, gc)])
+    _hc_grad_check(out, [t.float() for t in ref])
+
+
+def test_hc_bwd_kernel_deterministic():
+    """d scale / d base are per-CTA partials summed in a fixed order: bit-identical across runs."""
+    hs = _hs()
+    m, sc, b = _hc_inputs((4096,))
+    gp, gq, gc = (torch.randn(4096, *s, device=DEV) for s in ((4,), (4,), (4, 4)))
+    a = hs._bwd_tl(m, sc, b, gp, gq, gc, 4, 20, 1e-6)
+    for _ in range(3):
+        for x, y in zip(a, hs._bwd_tl(m, sc, b, gp, gq, gc, 4, 20, 1e-6)):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("spread", [3.0, 30.0])
+def test_hc_bwd_kernel_torch_func_grad(spread):
+    hs = _hs()
+    m, sc, b = _hc_inputs((64,), spread=spread)
+    g = torch.func.grad(lambda *a: _hc_loss(lambda *t: hs.hc_split_sinkhorn(*t, bwd="tilelang"), *a),
+                        argnums=(0, 1, 2))(m, sc, b)
+    _hc_grad_check(g, _ref_grads(m, sc, b, 4, 20))
+
+
+def test_hc_bwd_env_default_and_bad_name():
+    hs = _hs()
+    assert hs.BWD_DEFAULT in ("torch", "tilelang")
+    m, sc, b = _hc_inputs((4,))
+    with pytest.raises(ValueError):
+        hs.hc_split_sinkhorn(m, sc, b, bwd="nope")
+
+
+# forward variants the bench sweeps (tokens per CTA, reciprocal-multiply instead of IEEE divisions)
+@pytest.mark.parametrize("lead,hc,iters", [((4096,), 4, 20), ((3, 11), 2, 5), ((130,), 4, 1)],
+                         ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("threads,fast_div", [(128, True), (32, False), (32, True), (64, False)])
+def test_hc_fwd_variants(lead, hc, iters, threads, fast_div):
+    hs = _hs()
+    if (lead, hc, iters) != ((4096,), 4, 20) and threads != 128:
+        pytest.skip("CTA-size variants compiled for the release configuration only")
+    m, sc, b = _hc_inputs(lead, hc)
+    m2 = m.reshape(-1, m.shape[-1]).contiguous()
+    out = hs.hc_split_sinkhorn_kernel(hc, iters, 1e-6, threads, fast_div)(m2, sc, b)
+    ref = K.hc_split_sinkhorn(m2, sc, b, hc, iters, 1e-6, impl="torch")
+    for name, o, r in zip(("pre", "post", "comb"), out, ref):
+        err = float((o.reshape(r.shape) - r).abs().max())
+        print(f"hc fwd threads={threads} fast_div={fast_div} {lead} {name}: max abs diff {err:.2e}")
+        assert err <= 1e-5, name
