@@ -194,31 +194,88 @@ def quantizers(results, args):
 
 
 def fp4_hc(results, args):
-    """fp4_act_quant at the indexer ([M, 512], e8m0/32) and compressed-KV ([32M, 128], e4m3/16) shapes;
-    hc_split_sinkhorn [M, 24] forward and forward+backward (GB/s: mixes read + outputs written once)."""
+    """fp4_act_quant at the indexer ([M, 512], e8m0/32) and compressed-KV ([32M, 128], e4m3/16) shapes
+    (the hc_split_sinkhorn rows moved to the "hc" section)."""
     from functional_dsv41 import quant as Q
-    from functional_dsv41.kernels import reference
     from functional_dsv41.kernels.tilelang import fp4_quant_tl as fq
-    from functional_dsv41.kernels.tilelang import hc_sinkhorn_tl as hs
     for (r, n, bs, sd) in ((args.m, 512, 32, Q.E8M0), (args.m * 32, 128, 16, Q.FP8)):
         x = torch.randn(r, n, device="cuda").bfloat16()
         by = x.numel() * 2 + x.numel() // 2 + x.numel() // bs
         print(f"-- fp4_act_quant [{r}, {n}] bf16 -> e2m1 + {sd}/{bs}", flush=True)
         results.append(row(f"fp4_act_quant [{r},{n}] /{bs} tilelang", bench(lambda: fq.fp4_act_quant(x, bs, sd)), None, by))
         results.append(row(f"fp4_act_quant [{r},{n}] /{bs} torch reference", bench(lambda: Q.fp4_act_quant(x, bs, sd)), None, by))
-    m = torch.randn(args.m, 24, device="cuda") * 2
-    sc, bb = torch.tensor([0.5, 0.7, 1.3], device="cuda"), torch.randn(24, device="cuda")
-    by = m.numel() * 4 + args.m * 24 * 4
-    print(f"-- hc_split_sinkhorn [{args.m}, 24], hc 4, 20 iterations", flush=True)
-    results.append(row("hc_split_sinkhorn fwd tilelang", bench(lambda: hs.hc_split_sinkhorn(m, sc, bb)), None, by))
-    results.append(row("hc_split_sinkhorn fwd torch reference", bench(lambda: reference.hc_split_sinkhorn(m, sc, bb)), None, by))
+
+
+def _graph_ms(fn, n=20):
+    """GPU time of one fn() without the host: n calls captured in one CUDA graph, replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(n):
+            fn()
+    return bench(gr.replay) / n
+
+
+def hc_sinkhorn(results, args):
+    """hc_split_sinkhorn [M, 24] (hc 4, 20 iterations): forward variants (tokens per CTA, IEEE division vs
+    reciprocal-multiply), the backward alone (TileLang kernel, CTA sizes; torch recompute; reference
+    autograd) and forward+backward through autograd. "eager" rows time the Python call (host overhead
+    included, what training sees without graphs); "graph" rows the GPU alone (20 calls in a CUDA graph).
+    GB/s: fwd mixes read + 24 outputs written; bwd mixes + 24 output grads read, d mixes written."""
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import hc_sinkhorn_tl as hs
+    M = args.m
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m = torch.randn(M, 24, device="cuda", generator=g) * 2
+    sc, bb = torch.tensor([0.5, 0.7, 1.3], device="cuda"), torch.randn(24, device="cuda", generator=g)
+    gp, gq, gc = (torch.randn(M, *s, device="cuda", generator=g) for s in ((4,), (4,), (4, 4)))
+    by_f, by_b = M * 24 * 4 * 2, M * 24 * 4 * 3
+    print(f"-- hc_split_sinkhorn [{M}, 24], hc 4, 20 iterations", flush=True)
+
+    def both(name, fn, nbytes, graph=True):
+        try:
+            results.append(row(name + " eager", bench(fn), None, nbytes))
+            if graph:
+                results.append(row(name + " graph", _graph_ms(fn), None, nbytes))
+        except Exception as e:
+            print(f"!! {name}: {type(e).__name__}: {e}", flush=True)
+
+    # forward
+    both("hc fwd API tilelang (default cfg)", lambda: hs.hc_split_sinkhorn(m, sc, bb), by_f)
+    for threads in (128, 64, 32):
+        for fast in (False, True):
+            try:
+                k = hs.hc_split_sinkhorn_kernel(4, 20, 1e-6, threads, fast)
+            except Exception as e:
+                print(f"!! hc fwd kernel threads={threads} fast_div={fast}: {type(e).__name__}: {e}", flush=True)
+                continue
+            both(f"  fwd kernel threads={threads} fast_div={int(fast)}", lambda: k(m, sc, bb), by_f)
+    both("hc fwd torch reference", lambda: reference.hc_split_sinkhorn(m, sc, bb), by_f)
+
+    # backward alone
+    for threads in (128, 64, 32):
+        both(f"hc bwd tilelang kernel threads={threads}",
+             lambda: hs._bwd_tl_run(m, sc, bb, gp, gq, gc, 4, 20, 1e-6, threads), by_b)
+    both("hc bwd torch recompute (_bwd)", lambda: hs._bwd(m, sc, bb, gp, gq, gc, 4, 20, 1e-6), by_b)
+    mr, scr, br = (t.clone().requires_grad_() for t in (m, sc, bb))
+    outs = reference.hc_split_sinkhorn(mr, scr, br)
+    both("hc bwd torch reference autograd",
+         lambda: torch.autograd.grad(outs, (mr, scr, br), (gp, gq, gc), retain_graph=True), by_b, graph=False)
+
+    # forward + backward through autograd
     mg, scg, bg = (t.clone().requires_grad_() for t in (m, sc, bb))
 
     def fb(fn):
         pre, post, comb = fn(mg, scg, bg)
-        torch.autograd.grad((pre.sum(), post.sum(), comb.sum()), (mg, scg, bg))
-    results.append(row("hc_split_sinkhorn fwd+bwd tilelang/torch-bwd", bench(lambda: fb(hs.hc_split_sinkhorn)), None, by))
-    results.append(row("hc_split_sinkhorn fwd+bwd torch reference", bench(lambda: fb(reference.hc_split_sinkhorn)), None, by))
+        torch.autograd.grad((pre, post, comb), (mg, scg, bg), (gp, gq, gc))
+    for bwd in ("tilelang", "torch"):
+        both(f"hc fwd+bwd tilelang fwd / {bwd} bwd", lambda: fb(lambda *a: hs.hc_split_sinkhorn(*a, bwd=bwd)),
+             by_f + by_b, graph=False)
+    both("hc fwd+bwd torch reference autograd", lambda: fb(reference.hc_split_sinkhorn), by_f + by_b, graph=False)
 
 
 # name -> section(results, args); each kernel family owns one entry (--only picks some)
@@ -230,6 +287,7 @@ SECTIONS = {
     "fp4gemm": fp4_gemms,
     "quant": quantizers,
     "fp4hc": fp4_hc,
+    "hc": hc_sinkhorn,
 }
 
 
