@@ -25,7 +25,7 @@ import torch
 from . import kernels, quant
 from .compressor import BIG, Chunk, compress
 from .config import Config
-from .indexer import candidate_mask, entry_blocks, fp4_qdq, index_keys, index_scores, select_topk
+from .indexer import candidate_mask, entry_blocks, fp4_qdq, index_keys, index_scores, select_topk, visible_range
 from .linear import dequantize, linear, qat_format, ste
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
@@ -111,18 +111,20 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
                                                       new_cache=new_cache, shared=shared, mode=mode, qdq=qdq)
         comp_kv, keys, visible = shared.kv[src], shared.index_k[src], shared.visible[src]
         if L in cfg.index_source_layers:
+            # level 2 (reindex layers after the candidate source): non-candidates are -inf inside the
+            # scoring op. The KL student reads these scores at the selected slots only, which are all
+            # candidates, so masking first changes neither its values there nor its gradient.
+            cand = shared.candidates if cfg.uses_candidates(L) else None
             score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode,
-                                 qdq=qdq)
+                                 qdq=qdq, cand=cand, impl=impl)
             if L == cfg.candidate_source_layer:
                 nb = None if chunk.packed else -(-score.shape[-1] // cfg.candidate_block_size)
                 shared = shared.replace(candidates=candidate_mask(score, visible, shared.blocks[src], cfg=cfg,
-                                                                  n_blocks=nb))
+                                                                  n_blocks=nb, impl=impl))
                 if debug is not None:
                     debug["candidates"] = shared.candidates
             student = score
-            if cfg.uses_candidates(L):
-                score = score.masked_fill(~shared.candidates, float("-inf"))
-            topk = select_topk(score, cfg.index_topk)
+            topk = select_topk(score, cfg.index_topk, impl=impl)
             shared = shared.replace(topk={**shared.topk, L: topk})
             if debug is not None:
                 debug["index_score"] = score
@@ -201,7 +203,7 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
         seg = torch.cat([torch.zeros_like(end[:, :n_prev]), seg], 1)
         group = torch.cat([hist.expand(x.shape[0], n_prev), group], 1)
         new_cache = AttnCache(new_cache.window_kv, cache.compress_kv, cache.index_k, part_kv, part_s)
-    visible = (end[:, None, :] <= chunk.pos_abs[None, :, None]) & (seg[:, None, :] == chunk.seg_start[:, :, None])
+    visible = visible_range(end, seg, chunk.pos_abs, chunk.seg_start)        # (lo, hi) [b, s] each
     shared = shared.replace(kv={**shared.kv, L: kv_new}, index_k={**shared.index_k, L: keys_new},
                             visible={**shared.visible, L: visible},
                             blocks={**shared.blocks, L: entry_blocks(group, seg, cfg=cfg)})

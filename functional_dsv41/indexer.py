@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
+from . import kernels, quant
 from .config import Config
 from .linear import linear, qat_format, ste
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
+from .kernels.reference_indexer import topk_first
 
 
 def fp4_qdq(x: torch.Tensor, block: int, scale_dtype, enabled: bool = True) -> torch.Tensor:
@@ -43,13 +44,32 @@ def index_keys(p: dict, latent: torch.Tensor, rope_pos: torch.Tensor, *, cfg: Co
     return fp4_qdq(k, 32, quant.E8M0, qdq)
 
 
-def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, *,
-                 cfg: Config, layer_id: int, pos: torch.Tensor, mode: str = "reference",
-                 qdq: bool = True) -> torch.Tensor:
-    """Scores I [b, s, n] (bf16, -inf where not visible).
+def visible_range(end: torch.Tensor, seg: torch.Tensor, pos_abs: torch.Tensor, seg_start: torch.Tensor):
+    """The entries a query sees, as a half-open range [lo, hi) per query ([b, s] int64 each).
 
-    x [b, s, dim] attention input, qr [b, s, q_lora_rank], keys [b, n, Di], visible [b, s, n] bool,
-    pos [b, s] query RoPE positions.
+    end, seg [b, n]: end position and sample start of each entry, entries in position order along the
+    row (history first, padding entries last with end = BIG); pos_abs [s] (or [b, s]) and seg_start
+    [b, s]: each query's position and its sample's start. Entry j is visible iff it is complete
+    (end_j <= pos) and in the query's own sample (seg_j == seg_start); an entry's end lies inside its
+    sample, samples are contiguous in position and ends ascend along the row, so the visible entries
+    are exactly those with seg_start <= end_j <= pos: lo = #(end < seg_start), hi = #(end <= pos).
+    """
+    b = end.shape[0]
+    pos = pos_abs.expand(b, -1) if pos_abs.dim() == 1 else pos_abs
+    end = end.contiguous()
+    lo = torch.searchsorted(end, seg_start.contiguous(), side="left")
+    hi = torch.searchsorted(end, pos.contiguous(), side="right")
+    return lo, hi
+
+
+def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, visible, *,
+                 cfg: Config, layer_id: int, pos: torch.Tensor, mode: str = "reference",
+                 qdq: bool = True, cand: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
+    """Scores I [b, s, n] (bf16, -inf where not visible or, given ``cand`` [b, s, n] bool, not a candidate).
+
+    x [b, s, dim] attention input, qr [b, s, q_lora_rank], keys [b, n, Di], visible = (lo, hi) [b, s]
+    each (``visible_range``), pos [b, s] query RoPE positions. The scoring itself is the kernel op
+    ``kernels.index_scores`` (reference: ``kernels/reference_indexer.py``).
     """
     b, s, _ = x.shape
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
@@ -57,36 +77,17 @@ def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor,
     q = apply_rope(q, rope_angles(cfg, layer_id, pos)[:, :, None, :])
     q = fp4_qdq(q, 32, quant.E8M0, qdq)
     w = linear(x, p["weights_proj"], mode=mode) * (Di ** -0.5 * Hi ** -0.5)     # [b, s, Hi]
-    score = torch.einsum("bshd,bnd->bshn", q, keys)
-    score = (score.relu() * w.unsqueeze(-1)).sum(2)                              # [b, s, n] bf16
-    return score.masked_fill(~visible, float("-inf"))
+    lo, hi = visible
+    return kernels.index_scores(q, keys, w, lo, hi, cand, impl=impl)
 
 
-def _topk_first(x: torch.Tensor, k: int):
-    """The k largest along the last dim, exact ties resolved towards the LOWER index. torch.topk's tie
-    order depends on the row length, and bf16 index scores tie often, so a decode step (n entries) and
-    the same query inside a chunk (n + padding entries) could pick different entries (SPEC §16).
-
-    One exact top-k over an int64 key (order-preserving bits of the fp32 value, then the reversed
-    index) gives the same result as a stable descending sort in O(n log k)."""
-    n = x.shape[-1]
-    bits = (x.float() + 0.0).contiguous().view(torch.int32)                   # + 0.0: -0 ties with +0
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)     # monotone in the value
-    key = (order << 32) | (n - 1 - torch.arange(n, device=x.device))
-    i = key.topk(k, dim=-1).indices
-    return torch.return_types.topk((x.gather(-1, i), i))
+_topk_first = topk_first
 
 
-def select_topk(score: torch.Tensor, k: int) -> torch.Tensor:
-    """[b, s, n] -> [b, s, min(k, n)] int64 entry indices ascending, -1 where the score is -inf."""
-    n = score.shape[-1]
-    k = min(k, n)
-    if k == 0:
-        return score.new_zeros(score.shape[:-1] + (0,), dtype=torch.int64)
-    top = _topk_first(score, k)
-    idx = torch.where(torch.isneginf(top.values), n, top.indices)
-    idx = idx.sort(-1).values
-    return torch.where(idx == n, -1, idx)
+def select_topk(score: torch.Tensor, k: int, impl: str | None = None) -> torch.Tensor:
+    """[b, s, n] -> [b, s, min(k, n)] int64 entry indices ascending, -1 where the score is -inf
+    (``kernels.index_topk``: exact ties to the lower index)."""
+    return kernels.index_topk(score, k, impl=impl)
 
 
 def entry_blocks(group: torch.Tensor, seg: torch.Tensor, *, cfg: Config) -> torch.Tensor:
@@ -100,31 +101,20 @@ def entry_blocks(group: torch.Tensor, seg: torch.Tensor, *, cfg: Config) -> torc
     return new.long().cumsum(1) - 1
 
 
-def candidate_mask(score: torch.Tensor, visible: torch.Tensor, blocks: torch.Tensor, *, cfg: Config,
-                   n_blocks: int | None = None) -> torch.Tensor:
-    """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of entries in the chosen blocks.
+def candidate_mask(score: torch.Tensor, visible, blocks: torch.Tensor, *, cfg: Config,
+                   n_blocks: int | None = None, impl: str | None = None) -> torch.Tensor:
+    """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of entries in the chosen blocks
+    (``kernels.index_candidates``).
 
-    blocks [b, n]: block id of each entry (``entry_blocks``); ``n_blocks``: how many there are, when the
-    caller knows it without reading the tensor (plain rows: ceil(n / block size); no host sync).
-    Block score = max of its entries' scores (-inf where none is visible); the block of the query's
-    newest visible entry is forced in; the top ``candidate_topk_blocks`` blocks with a finite score
-    are kept.
+    visible = (lo, hi) [b, s]; blocks [b, n]: block id of each entry (``entry_blocks``); ``n_blocks``:
+    how many there are, when the caller knows it without reading the tensor (plain rows:
+    ceil(n / block size); no host sync). Block score = max of its entries' scores (-inf where none is
+    visible); the block of the query's newest visible entry is forced in; the top
+    ``candidate_topk_blocks`` blocks with a finite score are kept.
     """
-    b, s, n = score.shape
+    n = score.shape[-1]
+    lo, hi = visible
     if n == 0:
-        return torch.zeros_like(visible)
+        return torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     nb = n_blocks if n_blocks is not None else int(blocks.max()) + 1
-    idx = blocks[:, None, :].expand(b, s, n)
-    block = torch.full((b, s, nb), float("-inf"), device=score.device)
-    block = block.scatter_reduce(-1, idx, score.float(), reduce="amax", include_self=True)   # [b, s, nb]
-    ar = torch.arange(n, device=score.device)
-    newest = torch.where(visible, ar, -1).amax(-1)                               # [b, s] newest visible entry
-    has = newest >= 0
-    forced_block = blocks.gather(1, newest.clamp_min(0))                         # [b, s]
-    forced = torch.nn.functional.one_hot(forced_block, nb).bool() & has[..., None]
-    block = block.masked_fill(forced, float("inf"))
-    kb = min(cfg.candidate_topk_blocks, nb)
-    top = _topk_first(block, kb)
-    keep = torch.zeros(b, s, nb, dtype=torch.bool, device=score.device)
-    keep = keep.scatter(-1, top.indices, ~torch.isneginf(top.values))
-    return keep.gather(-1, idx)
+    return kernels.index_candidates(score, lo, hi, blocks, nb, cfg.candidate_topk_blocks, impl=impl)

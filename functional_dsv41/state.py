@@ -53,7 +53,7 @@ class SharedAttention:
     kv[L]         [b, n_compressed, head_dim]: all compressed KV rows visible to this chunk
     index_k[L]    [b, n_compressed, index_head_dim]
     topk[L]       [b, s, k] int64 compressed-entry indices (no window offset), -1 = none
-    visible[L]    [b, s, n_compressed] bool: entry j is complete and in the query's own sample
+    visible[L]    (lo, hi) [b, s] int64 each: the query sees entries lo <= j < hi (complete, own sample)
     blocks[L]     [b, n_compressed] int64: candidate block of each entry (never spanning two samples)
     candidates    [b, s, n_compressed] bool, published by the candidate source layer
     """

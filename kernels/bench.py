@@ -278,6 +278,72 @@ def hc_sinkhorn(results, args):
     both("hc fwd+bwd torch reference autograd", lambda: fb(reference.hc_split_sinkhorn), by_f + by_b, graph=False)
 
 
+def indexer(results, args):
+    """Lightning indexer: scoring (+ mask) TFLOP/s counting VISIBLE (query, entry) pairs only,
+    2*pairs*Hi*Di; GB/s = q, k, w read + the [s, n] bf16 scores written. Top-k vs torch.topk (peer,
+    no tie rule) and the reference's exact int64-key top-k. Backward = dq, dk, dw (3x the forward's
+    visible FLOPs: recomputed q.k, dS k, dS^T q). Shapes: release prefill (s queries x n = s/4 entries,
+    ratio 4, causal) and long-context rows (few queries x 16K..64K entries, all visible)."""
+    from functional_dsv41.kernels import reference_indexer as ref
+    from functional_dsv41.kernels.tilelang import indexer_tl as it
+    H, D = 32, 128
+    cfgs = getattr(args, "indexer_cfgs", [dict(BQ=2, BN=128, threads=256), dict(BQ=4, BN=64, threads=256)])
+    topk_threads = getattr(args, "indexer_topk_threads", [256, 512, 1024])
+    shapes = [(args.m, args.m // 4, 4), (64, 16384, 0), (16, 65536, 0)]
+    for (s, n, ratio) in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, s, H, D, device="cuda", generator=g).bfloat16()
+        k = torch.randn(1, n, D, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(1, s, H, device="cuda", generator=g) / 64).bfloat16()
+        t = torch.arange(s, device="cuda")
+        hi = (((t + 1) // ratio).clamp(max=n) if ratio else torch.full_like(t, n))[None].contiguous()
+        lo = torch.zeros_like(hi)
+        pairs = int((hi - lo).sum())
+        fl, by = 2 * pairs * H * D, q.numel() * 2 + k.numel() * 2 + w.numel() * 2 + s * n * 2
+        print(f"-- indexer scoring s={s} n={n} Hi={H} Di={D} {'causal ratio ' + str(ratio) if ratio else 'all visible'}: "
+              f"{pairs / (s * n):.0%} of pairs visible, {fl / 1e9:.1f} GFLOP (visible pairs only)", flush=True)
+        results.append(row(f"index_scores tilelang s={s} n={n}", bench(lambda: it.index_scores(q, k, w, lo, hi)), fl, by))
+        for cfg in cfgs:
+            try:
+                results.append(row(f"  score kernel {json.dumps(cfg, separators=(',', ':'))}",
+                                   bench(lambda: it._score_fwd(q, k, w, lo, hi, cfg=cfg)), fl, by))
+            except Exception as e:
+                print(f"  score kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        cand = torch.rand(1, s, n, device="cuda", generator=g) < 0.5
+        try:
+            results.append(row("  with a candidate mask (level 2)", bench(lambda: it.index_scores(q, k, w, lo, hi, cand)),
+                               fl, by + s * n))
+        except Exception as e:
+            print(f"  with candidates: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        results.append(row("index_scores torch reference", bench(lambda: ref.index_scores(q, k, w, lo, hi), 2, 10), fl, by))
+        I = ref.index_scores(q, k, w, lo, hi)
+        kt = 512
+        by_t = s * n * 2 + s * kt * 8
+        for th in topk_threads:
+            try:
+                results.append(row(f"index_topk tilelang k={kt} threads={th}",
+                                   bench(lambda: it.index_topk(I, kt, threads=th)), None, by_t))
+            except Exception as e:
+                print(f"  topk threads={th}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        results.append(row("index_topk torch reference (exact ties)", bench(lambda: ref.index_topk(I, kt), 2, 10), None, by_t))
+        results.append(row("peer: torch.topk (no tie rule, unsorted ids)",
+                           bench(lambda: torch.topk(I, min(kt, n), dim=-1, sorted=False)), None, by_t))
+        if n >= 16384:
+            blocks = (torch.arange(n, device="cuda") // 8)[None].contiguous()
+            results.append(row("index_candidates (torch ops, 2048 of n/8 blocks)",
+                               bench(lambda: it.index_candidates(I, lo, hi, blocks, n // 8, 2048), 2, 10), None, s * n * 3))
+        qg, kg, wg = (x.clone().requires_grad_(True) for x in (q, k, w))
+        out = it.index_scores(qg, kg, wg, lo, hi)
+        dI = torch.randn_like(out).masked_fill(torch.isneginf(out), 0)
+        results.append(row("index_scores bwd (dq, dk, dw) tilelang path",
+                           bench(lambda: torch.autograd.grad(out, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
+        outr = ref.index_scores(qg, kg, wg, lo, hi)
+        results.append(row("index_scores bwd torch reference (autograd)",
+                           bench(lambda: torch.autograd.grad(outr, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
+        del q, k, w, I, out, outr, qg, kg, wg, dI, cand
+        torch.cuda.empty_cache()
+
+
 # name -> section(results, args); each kernel family owns one entry (--only picks some)
 SECTIONS = {
     "ceilings": lambda results, args: ceilings(results),
@@ -288,6 +354,7 @@ SECTIONS = {
     "quant": quantizers,
     "fp4hc": fp4_hc,
     "hc": hc_sinkhorn,
+    "indexer": indexer,
 }
 
 

@@ -12,6 +12,8 @@ import torch
 
 from functional_dsv41 import invariant, quant
 
+from .reference_indexer import index_candidates, index_scores, index_topk  # noqa: F401  (indexer ops, SPEC §5)
+
 act_quant = quant.act_quant
 fp4_act_quant = quant.fp4_act_quant
 

@@ -1,0 +1,157 @@
+"""TileLang lightning indexer (scoring + mask, top-k, candidates, score gradients) against the torch reference
+(SPEC §5, §10; issue #7 item 2). GPU only. Scores: cosine diff < 1e-4, almost all within 1 bf16 ulp, -inf exactly
+where the reference has -inf. Top-k and candidate masks: EXACT (integer outputs) on the reference's own scores.
+"""
+import pytest
+import torch
+
+from functional_dsv41 import kernels as K
+
+from conftest import cosine_diff
+from gpu_common import DEV, close_bf16, need_tilelang
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(b, s, n, H, D, ratio=4, seed=0, packed=False):
+    """q, k, w as the model builds them (bf16; w ~ 1/64 scale) and causal [lo, hi) ranges: query t sees
+    entries [0, (t+1)//ratio) (packed: the second half of each row is a new sample)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(b, s, H, D, device=DEV, generator=g).bfloat16()
+    k = torch.randn(b, n, D, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(b, s, H, device=DEV, generator=g) / 64).bfloat16()
+    t = torch.arange(s, device=DEV)
+    hi = ((t + 1) // ratio).clamp(max=n).expand(b, s).clone()
+    lo = torch.zeros_like(hi)
+    if packed:
+        half = s // 2
+        lo[:, half:] = (half + 1) // ratio
+        hi[:, half:] = ((t[half:] + 1) // ratio).clamp(max=n)
+    return q, k, w, lo, hi
+
+
+SCORE_SHAPES = [  # b, s, n, H, D
+    (1, 64, 16, 32, 128),
+    (2, 37, 300, 32, 128),          # query tail (not a multiple of BQ), entry tail (not of BN)
+    (1, 4096, 1024, 32, 128),       # release: 4096 queries, ratio 4
+    (2, 50, 200, 16, 64),
+]
+
+
+def _check_scores(out, ref):
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "-inf pattern differs"
+    fin = torch.isfinite(ref)
+    assert torch.isfinite(out[fin]).all()
+    if fin.any():
+        o, r = out[fin].float(), ref[fin].float()
+        assert cosine_diff(o, r) < 1e-4
+        nbad, mx = close_bf16(o, r, ulps=2)          # ~1 bf16 ulp (2^-8 relative per unit)
+        print(f"scores: {nbad} of {o.numel()} beyond ~1 ulp, max abs diff {mx:.3g}, cosine diff {cosine_diff(o, r):.2e}")
+        assert nbad <= max(2, o.numel() * 1e-2), (nbad, o.numel(), mx)
+
+
+@pytest.mark.parametrize("shape", SCORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_index_scores(shape):
+    need_tilelang()
+    b, s, n, H, D = shape
+    q, k, w, lo, hi = _inputs(b, s, n, H, D, packed=b > 1)
+    lo[0, 0], hi[0, 0] = 5, 3                                  # an empty row (nothing visible)
+    out = K.index_scores(q, k, w, lo, hi, impl="tilelang")
+    ref = K.index_scores(q, k, w, lo, hi, impl="torch")
+    _check_scores(out, ref)
+    assert torch.isneginf(out[0, 0]).all()
+
+
+def test_index_scores_candidates():
+    need_tilelang()
+    b, s, n, H, D = 2, 70, 260, 32, 128
+    q, k, w, lo, hi = _inputs(b, s, n, H, D, ratio=1)
+    cand = torch.rand(b, s, n, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)) < 0.5
+    out = K.index_scores(q, k, w, lo, hi, cand, impl="tilelang")
+    ref = K.index_scores(q, k, w, lo, hi, cand, impl="torch")
+    _check_scores(out, ref)
+
+
+def _tied_scores(b, s, n, seed=0):
+    """Scores with many exact ties, -0/+0, -inf holes, an all--inf row and a short visible prefix."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(b, s, n, device=DEV, generator=g) * 4).round() / 4
+    x = x.bfloat16()
+    x[..., ::7] = -0.0
+    x[..., 3::7] = 0.0
+    x = x.masked_fill(torch.rand(b, s, n, device=DEV, generator=g) < 0.2, float("-inf"))
+    x[0, 0] = float("-inf")
+    x[0, 1, 10:] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("bsn", [(1, 64, 1024), (2, 33, 300), (1, 8, 5000), (1, 3, 65536), (1, 16, 100)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_index_topk_exact(bsn):
+    need_tilelang()
+    x = _tied_scores(*bsn)
+    for k in (512, 64):
+        out = K.index_topk(x, k, impl="tilelang")
+        ref = K.index_topk(x, k, impl="torch")
+        assert out.dtype == torch.int64 and out.shape == ref.shape
+        assert torch.equal(out, ref)
+
+
+def test_index_topk_on_reference_scores_release():
+    """Top-k of the release shape's own scores (bf16 ties between near-equal scores)."""
+    need_tilelang()
+    q, k, w, lo, hi = _inputs(1, 4096, 1024, 32, 128, seed=5)
+    ref_scores = K.index_scores(q, k, w, lo, hi, impl="torch")
+    assert torch.equal(K.index_topk(ref_scores, 512, impl="tilelang"), K.index_topk(ref_scores, 512, impl="torch"))
+
+
+def test_index_candidates_exact():
+    need_tilelang()
+    b, s, n = 2, 40, 333
+    x = _tied_scores(b, s, n, seed=7)
+    t = torch.arange(s, device=DEV)
+    hi = (t * n // s).expand(b, s).contiguous()
+    lo = torch.zeros_like(hi)
+    blocks = (torch.arange(n, device=DEV) // 8).expand(b, n).contiguous()
+    nb = -(-n // 8)
+    for tb in (3, 16, 100):
+        out = K.index_candidates(x, lo, hi, blocks, nb, tb, impl="tilelang")
+        ref = K.index_candidates(x, lo, hi, blocks, nb, tb, impl="torch")
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 300, 32, 128), (1, 512, 128, 32, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_index_scores_backward(shape):
+    """dq, dk, dw vs autograd of the reference (the upstream gradient is zero where the scores are -inf)."""
+    need_tilelang()
+    b, s, n, H, D = shape
+    q, k, w, lo, hi = _inputs(b, s, n, H, D, ratio=2)
+    dI = torch.randn(b, s, n, device=DEV).bfloat16()
+    grads = []
+    for impl in ("tilelang", "torch"):
+        qq, kk, ww = (t.clone().requires_grad_(True) for t in (q, k, w))
+        out = K.index_scores(qq, kk, ww, lo, hi, impl=impl)
+        grads.append(torch.autograd.grad(out, (qq, kk, ww), dI.masked_fill(torch.isneginf(out), 0)))
+    for a, r in zip(*grads):
+        assert cosine_diff(a, r) < 1e-4
+
+
+def test_index_scores_func_grad():
+    need_tilelang()
+    q, k, w, lo, hi = _inputs(1, 40, 64, 32, 128, ratio=1)
+    dI = torch.randn(1, 40, 64, device=DEV)
+
+    def loss(q_, impl):
+        out = K.index_scores(q_, k, w, lo, hi, impl=impl).float()
+        return torch.where(torch.isfinite(out), out * dI, 0).sum()
+    g1 = torch.func.grad(lambda x: loss(x, "tilelang"))(q)
+    g2 = torch.func.grad(lambda x: loss(x, "torch"))(q)
+    assert cosine_diff(g1, g2) < 1e-4
+
+
+def test_auto_picks_tilelang():
+    need_tilelang()
+    from functional_dsv41.kernels.tilelang import indexer_tl
+    for op in ("index_scores", "index_topk", "index_candidates"):
+        assert K.resolve(op, "auto", on_cuda=True) is getattr(indexer_tl, op)
