@@ -221,8 +221,8 @@ def _graph_ms(fn, n=20):
 
 
 def hc_sinkhorn(results, args):
-    """hc_split_sinkhorn [M, 24] (hc 4, 20 iterations): forward variants (tokens per CTA, IEEE division vs
-    reciprocal-multiply), the backward alone (TileLang kernel, CTA sizes; torch recompute; reference
+    """hc_split_sinkhorn [M, 24] (hc 4, 20 iterations): forward variants (tokens per CTA; IEEE division,
+    IEEE reciprocal + multiply, MUFU reciprocal + multiply), the backward alone (TileLang kernel, CTA sizes; torch recompute; reference
     autograd) and forward+backward through autograd. "eager" rows time the Python call (host overhead
     included, what training sees without graphs); "graph" rows the GPU alone (20 calls in a CUDA graph).
     GB/s: fwd mixes read + 24 outputs written; bwd mixes + 24 output grads read, d mixes written."""
@@ -247,19 +247,20 @@ def hc_sinkhorn(results, args):
     # forward
     both("hc fwd API tilelang (default cfg)", lambda: hs.hc_split_sinkhorn(m, sc, bb), by_f)
     for threads in (128, 64, 32):
-        for fast in (False, True):
+        for div in ("ieee", "rcp", "approx"):
             try:
-                k = hs.hc_split_sinkhorn_kernel(4, 20, 1e-6, threads, fast)
+                k = hs.hc_split_sinkhorn_kernel(4, 20, 1e-6, threads, div)
             except Exception as e:
-                print(f"!! hc fwd kernel threads={threads} fast_div={fast}: {type(e).__name__}: {e}", flush=True)
+                print(f"!! hc fwd kernel threads={threads} div={div}: {type(e).__name__}: {e}", flush=True)
                 continue
-            both(f"  fwd kernel threads={threads} fast_div={int(fast)}", lambda: k(m, sc, bb), by_f)
+            both(f"  fwd kernel threads={threads} div={div}", lambda: k(m, sc, bb), by_f)
     both("hc fwd torch reference", lambda: reference.hc_split_sinkhorn(m, sc, bb), by_f)
 
     # backward alone
     for threads in (128, 64, 32):
-        both(f"hc bwd tilelang kernel threads={threads}",
-             lambda: hs._bwd_tl_run(m, sc, bb, gp, gq, gc, 4, 20, 1e-6, threads), by_b)
+        for div in ("rcp", "approx"):
+            both(f"hc bwd tilelang threads={threads} div={div}",
+                 lambda: hs._bwd_tl_run(m, sc, bb, gp, gq, gc, 4, 20, 1e-6, threads, div), by_b)
     both("hc bwd torch recompute (_bwd)", lambda: hs._bwd(m, sc, bb, gp, gq, gc, 4, 20, 1e-6), by_b)
     mr, scr, br = (t.clone().requires_grad_() for t in (m, sc, bb))
     outs = reference.hc_split_sinkhorn(mr, scr, br)
@@ -337,6 +338,8 @@ def indexer(results, args):
         dI = torch.randn_like(out).masked_fill(torch.isneginf(out), 0)
         results.append(row("index_scores bwd (dq, dk, dw) tilelang path",
                            bench(lambda: torch.autograd.grad(out, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
+        results.append(row("  bwd via autograd of the reference on recomputed scores",
+                           bench(lambda: it._score_bwd_torch(q, k, w, lo, hi, None, dI), 2, 10), 3 * fl))
         outr = ref.index_scores(qg, kg, wg, lo, hi)
         results.append(row("index_scores bwd torch reference (autograd)",
                            bench(lambda: torch.autograd.grad(outr, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))

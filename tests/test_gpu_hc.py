@@ -109,13 +109,14 @@ def test_hc_bwd_kernel(lead, hc, iters, spread):
     _hc_grad_check(g, _ref_grads(m, sc, b, hc, iters))
 
 
-@pytest.mark.parametrize("threads", [32, 64])
-def test_hc_bwd_kernel_threads(threads):
-    """The CTA sizes the bench sweeps (partials: one row per CTA, N not a multiple of the CTA)."""
+@pytest.mark.parametrize("threads,div", [(t, d) for t in (128, 64, 32) for d in ("rcp", "approx")])
+def test_hc_bwd_kernel_variants(threads, div):
+    """The variants the bench sweeps: CTA sizes (partials: one row per CTA, N not a multiple of the CTA)
+    and IEEE vs MUFU reciprocals."""
     hs = _hs()
     m, sc, b = _hc_inputs((1000,))
     gp, gq, gc = (torch.randn(1000, *s, device=DEV) for s in ((4,), (4,), (4, 4)))
-    out = hs._bwd_tl(m, sc, b, gp, gq, gc, 4, 20, 1e-6, threads=threads)
+    out = hs._bwd_tl(m, sc, b, gp, gq, gc, 4, 20, 1e-6, threads=threads, div=div)
     ins_r = [t.double().requires_grad_() for t in (m, sc, b)]
     outs_r = K.hc_split_sinkhorn(*ins_r, 4, 20, 1e-6, impl="torch")
     ref = torch.autograd.grad(outs_r, ins_r, [t.double() for t in (gp, gq, gc)])
@@ -150,19 +151,19 @@ def test_hc_bwd_env_default_and_bad_name():
         hs.hc_split_sinkhorn(m, sc, b, bwd="nope")
 
 
-# forward variants the bench sweeps (tokens per CTA, reciprocal-multiply instead of IEEE divisions)
+# forward variants the bench sweeps (tokens per CTA; IEEE division / IEEE reciprocal / MUFU reciprocal)
 @pytest.mark.parametrize("lead,hc,iters", [((4096,), 4, 20), ((3, 11), 2, 5), ((130,), 4, 1)],
                          ids=lambda c: str(c).replace(" ", ""))
-@pytest.mark.parametrize("threads,fast_div", [(128, True), (32, False), (32, True), (64, False)])
-def test_hc_fwd_variants(lead, hc, iters, threads, fast_div):
+@pytest.mark.parametrize("threads,div", [(t, d) for t in (128, 64, 32) for d in ("ieee", "rcp", "approx")])
+def test_hc_fwd_variants(lead, hc, iters, threads, div):
     hs = _hs()
     if (lead, hc, iters) != ((4096,), 4, 20) and threads != 128:
         pytest.skip("CTA-size variants compiled for the release configuration only")
     m, sc, b = _hc_inputs(lead, hc)
     m2 = m.reshape(-1, m.shape[-1]).contiguous()
-    out = hs.hc_split_sinkhorn_kernel(hc, iters, 1e-6, threads, fast_div)(m2, sc, b)
+    out = hs.hc_split_sinkhorn_kernel(hc, iters, 1e-6, threads, div)(m2, sc, b)
     ref = K.hc_split_sinkhorn(m2, sc, b, hc, iters, 1e-6, impl="torch")
     for name, o, r in zip(("pre", "post", "comb"), out, ref):
         err = float((o.reshape(r.shape) - r).abs().max())
-        print(f"hc fwd threads={threads} fast_div={fast_div} {lead} {name}: max abs diff {err:.2e}")
+        print(f"hc fwd threads={threads} div={div} {lead} {name}: max abs diff {err:.2e}")
         assert err <= 1e-5, name

@@ -4,8 +4,8 @@ Forward (one thread per token, everything in registers): ``pre = sigmoid(m[:hc]*
 ``post = 2*sigmoid(m[hc:2hc]*s1 + b[hc:2hc])``, ``comb = softmax(m[2hc:]*s2 + b[2hc:]) + eps`` per row,
 a column normalisation, then ``iters - 1`` (row, column) normalisations ``c / (sum + eps)``; sums are
 sequential adds in index order as in ``reference.hc_split_sinkhorn``, divisions IEEE (``T.ieee_fdiv``;
-``fast_div=True``: one reciprocal per sum and multiplies), exp the fast-math one (matches the reference
-within ~1e-6 fp32).
+``div="rcp"/"approx"``: one IEEE / MUFU reciprocal per sum and multiplies), exp the fast-math one
+(matches the reference within ~1e-6 fp32).
 
 Backward, two implementations (``bwd=`` / ``DSV41_HC_BWD``; "torch" stays the default until measured):
 - "torch" (``_bwd``): recomputes the forward in torch keeping the ``2*iters`` normalised matrices
@@ -29,12 +29,19 @@ F32 = "float32"
 
 
 @functools.lru_cache(maxsize=None)
-def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128, fast_div: bool = False):
+def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128, div: str = "ieee"):
     """mixes [N, (2+hc)*hc] fp32, scale [3], base [(2+hc)*hc] -> pre [N, hc], post [N, hc], comb [N, hc*hc].
 
-    ``fast_div``: one IEEE reciprocal per row/column sum and hc multiplies instead of hc IEEE divisions
-    (1-ulp different rounding per step; DESIGN asks fp32 within 1e-5, the CPU path stays bit-exact with
-    the torch reference). ``threads``: tokens per CTA (one thread each)."""
+    ``div`` (softmax and Sinkhorn normalisations): "ieee" hc IEEE divisions per sum (as the reference);
+    "rcp" one IEEE reciprocal per sum + hc multiplies (fewer instructions, same dependent chain);
+    "approx" one MUFU reciprocal (~1 ulp) + multiplies (shortest chain). The last two round differently
+    by ~1 ulp a step; Sinkhorn's normalisations are self-correcting so this stays ~1e-7 absolute
+    (DESIGN asks fp32 within 1e-5 on the GPU; the CPU path stays bit-exact with the reference).
+    ``threads``: tokens per CTA (one thread each)."""
+    assert div in ("ieee", "rcp", "approx"), div
+
+    def _inv(x):
+        return T.ieee_frcp(x) if div == "rcp" else T.fast_rcp(x)
     N = T.dynamic("N")
     W = (2 + hc) * hc
     HH = hc * hc
@@ -46,8 +53,8 @@ def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128
             acc[0] = c[i * hc]
             for j in T.unroll(1, hc):
                 acc[0] = acc[0] + c[i * hc + j]
-            if fast_div:
-                acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+            if div != "ieee":
+                acc[0] = _inv(acc[0] + T.float32(eps))
                 for j in T.unroll(hc):
                     c[i * hc + j] = c[i * hc + j] * acc[0]
             else:
@@ -60,8 +67,8 @@ def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128
             acc[0] = c[j]
             for i in T.unroll(1, hc):
                 acc[0] = acc[0] + c[i * hc + j]
-            if fast_div:
-                acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+            if div != "ieee":
+                acc[0] = _inv(acc[0] + T.float32(eps))
                 for i in T.unroll(hc):
                     c[i * hc + j] = c[i * hc + j] * acc[0]
             else:
@@ -103,8 +110,8 @@ def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128
                     acc[0] = c[i * hc]
                     for j in T.unroll(1, hc):
                         acc[0] = acc[0] + c[i * hc + j]
-                    if fast_div:
-                        acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0])
+                    if div != "ieee":
+                        acc[0] = _inv(acc[0])
                         for j in T.unroll(hc):
                             c[i * hc + j] = c[i * hc + j] * acc[0] + T.float32(eps)
                     else:
@@ -122,7 +129,7 @@ def hc_split_sinkhorn_kernel(hc: int, iters: int, eps: float, threads: int = 128
 
 
 @functools.lru_cache(maxsize=None)
-def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int = 128):
+def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int = 128, div: str = "rcp"):
     """Backward, one thread per token: mixes [N, W], scale [3], base [W], g_pre [N, hc], g_post [N, hc],
     g_comb [N, hc*hc] -> d mixes [N, W] and per-CTA partial sums [ceil(N / threads), W + 3] of
     (d base [W], d scale [3]) (W = (2+hc)*hc; the caller sums the partials over CTAs).
@@ -133,7 +140,8 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
     ``x = y * den`` rebuilds the step's input from its output (no stored matrices; rounding drift
     ~1e-6 relative after 40 steps, checked on CPU against float64 autograd). Softmax
     ``da = p * (dp - sum_j dp * p)`` with p recomputed; sigmoid ``da = g * s * (1 - s)`` (x2 for post).
-    Divisions by den are one IEEE reciprocal + multiplies (gradients need ~1e-4 relative, not bits).
+    Divisions by den are one reciprocal + multiplies (gradients need ~1e-4 relative, not bits):
+    ``div`` "rcp" IEEE reciprocal, "approx" the MUFU one (~1 ulp, shorter dependent chain).
 
     d scale / d base are token reductions: each CTA reduces its ``threads`` tokens through shared memory
     in a fixed order and writes one partial row; the caller adds the ceil(N / threads) rows (one small
@@ -146,7 +154,10 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
     C0 = 2 * hc
     R = W + 3
     S = 2 * iters - 1                        # normalisation steps: column, then (row, column) x (iters-1)
-    assert R <= threads
+    assert R <= threads and div in ("rcp", "approx"), (R, threads, div)
+
+    def _inv(x):
+        return T.ieee_frcp(x) if div == "rcp" else T.fast_rcp(x)
 
     @T.prim_func
     def hc_split_sinkhorn_bwd(
@@ -194,7 +205,7 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
                     acc[0] = p[i * hc]
                     for j in T.unroll(1, hc):
                         acc[0] = acc[0] + p[i * hc + j]
-                    acc[0] = T.ieee_fdiv(T.float32(1.0), acc[0])
+                    acc[0] = _inv(acc[0])
                     for j in T.unroll(hc):
                         p[i * hc + j] = p[i * hc + j] * acc[0]
                         c[i * hc + j] = p[i * hc + j] + T.float32(eps)
@@ -205,7 +216,7 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
                             for i in T.unroll(1, hc):
                                 acc[0] = acc[0] + c[i * hc + j]
                             den[st * hc + j] = acc[0] + T.float32(eps)
-                            r[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+                            r[0] = _inv(acc[0] + T.float32(eps))
                             for i in T.unroll(hc):
                                 c[i * hc + j] = c[i * hc + j] * r[0]
                     else:                            # row step (sum over columns j)
@@ -214,7 +225,7 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
                             for j in T.unroll(1, hc):
                                 acc[0] = acc[0] + c[i * hc + j]
                             den[st * hc + i] = acc[0] + T.float32(eps)
-                            r[0] = T.ieee_fdiv(T.float32(1.0), acc[0] + T.float32(eps))
+                            r[0] = _inv(acc[0] + T.float32(eps))
                             for j in T.unroll(hc):
                                 c[i * hc + j] = c[i * hc + j] * r[0]
                 # reverse sweep
@@ -229,7 +240,7 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
                             r[0] = den[(S - 1 - rs) * hc + j]
                             for i in T.unroll(hc):
                                 c[i * hc + j] = c[i * hc + j] * r[0]
-                            r[0] = T.ieee_fdiv(T.float32(1.0), r[0])
+                            r[0] = _inv(r[0])
                             for i in T.unroll(hc):
                                 g[i * hc + j] = (g[i * hc + j] - acc[0]) * r[0]
                     else:                            # row step
@@ -240,7 +251,7 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
                             r[0] = den[(S - 1 - rs) * hc + i]
                             for j in T.unroll(hc):
                                 c[i * hc + j] = c[i * hc + j] * r[0]
-                            r[0] = T.ieee_fdiv(T.float32(1.0), r[0])
+                            r[0] = _inv(r[0])
                             for j in T.unroll(hc):
                                 g[i * hc + j] = (g[i * hc + j] - acc[0]) * r[0]
                 # softmax: d a = p * (g - sum_j g * p)
@@ -274,7 +285,9 @@ def hc_split_sinkhorn_bwd_kernel(hc: int, iters: int, eps: float, threads: int =
 # Forward configuration (tokens per CTA, reciprocal-multiply); the bench sweeps both. Defaults are the
 # measured run-6 kernel (IEEE divisions, 128 threads) until a GPU run says otherwise.
 FWD_THREADS = 128
-FWD_FAST_DIV = False
+FWD_DIV = "ieee"
+BWD_THREADS = 128
+BWD_DIV = "rcp"
 
 
 def _fwd(mixes, hc_scale, hc_base, hc, iters, eps):
@@ -283,7 +296,7 @@ def _fwd(mixes, hc_scale, hc_base, hc, iters, eps):
     if m.shape[0] == 0:
         z = m.new_zeros(*lead, hc)
         return z, z.clone(), m.new_zeros(*lead, hc, hc)
-    k = hc_split_sinkhorn_kernel(int(hc), int(iters), float(eps), FWD_THREADS, FWD_FAST_DIV)
+    k = hc_split_sinkhorn_kernel(int(hc), int(iters), float(eps), FWD_THREADS, FWD_DIV)
     pre, post, comb = k(m, hc_scale.float().contiguous(), hc_base.float().contiguous())
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
@@ -325,14 +338,15 @@ def _bwd(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps):
     return dm.reshape(mixes.shape).to(mixes.dtype), dsc.to(hc_scale.dtype), dbs.to(hc_base.dtype)
 
 
-def _bwd_tl(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads=128):
+def _bwd_tl(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads=None, div=None):
     """Same contract as ``_bwd``, by ``hc_split_sinkhorn_bwd_kernel`` (+ one torch sum of its per-CTA
     partials). Goes through ``_HcBwdKernel`` so that under ``torch.func.grad`` the kernel sees plain
     tensors (functorch unwraps the inputs of an autograd.Function's forward, not of its backward)."""
-    return _HcBwdKernel.apply(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads)
+    return _HcBwdKernel.apply(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps,
+                              threads or BWD_THREADS, div or BWD_DIV)
 
 
-def _bwd_tl_run(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads=128):
+def _bwd_tl_run(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads=128, div="rcp"):
     W = mixes.shape[-1]
     m = mixes.float().reshape(-1, W).contiguous()
     N = m.shape[0]
@@ -341,7 +355,7 @@ def _bwd_tl_run(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps,
     nb = (N + threads - 1) // threads
     dm = torch.empty_like(m)
     part = m.new_empty(nb, W + 3)
-    k = hc_split_sinkhorn_bwd_kernel(int(hc), int(iters), float(eps), int(threads))
+    k = hc_split_sinkhorn_bwd_kernel(int(hc), int(iters), float(eps), int(threads), div)
     k(m, hc_scale.float().contiguous(), hc_base.float().contiguous(),
       g_pre.float().reshape(N, hc).contiguous(), g_post.float().reshape(N, hc).contiguous(),
       g_comb.float().reshape(N, hc * hc).contiguous(), dm, part)
@@ -353,8 +367,8 @@ class _HcBwdKernel(torch.autograd.Function):
     """The backward kernel as a function of its own (first-order gradients only)."""
 
     @staticmethod
-    def forward(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads):
-        return _bwd_tl_run(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads)
+    def forward(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads, div):
+        return _bwd_tl_run(mixes, hc_scale, hc_base, g_pre, g_post, g_comb, hc, iters, eps, threads, div)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
