@@ -115,6 +115,7 @@ def attention_bwd(results, args):
         except Exception as e:
             print(f"  bwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     del dkv
+    _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, 2.5 * fl, by_b)
     F = torch.nn.functional
     kvg = kv[0, idx[0].clamp_min(0).long()]
     mask = (idx[0] >= 0)[:, None, None, :]
@@ -124,6 +125,44 @@ def attention_bwd(results, args):
     dog = torch.randn_like(og)
     results.append(row("peer: SDPA over pre-gathered KV (no sink), bwd",
                        bench(lambda: torch.autograd.grad(og, (qg, kg), dog, retain_graph=True)), 2.5 * fl, by_b))
+
+
+def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_b, by_b):
+    """Split backward (sparse_attn_bwd_tl): end to end (delta + dq kernel + zeroing + dkv kernel +
+    dsink + casts) per configuration, then its two kernels alone for each configuration."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    B, M, H, D = q.shape
+    T = idx.shape[-1]
+    by_pds = 2 * 2 * B * M * H * T * 2                                # P, dS bf16 written and read back
+    for cfg in args.attn_bwd_split_cfgs:
+        tag = json.dumps(cfg, separators=(',', ':'))
+        try:
+            k = dict(sb.DEFAULT_CFG, **cfg)
+            results.append(row(f"sparse_attn bwd  split {tag}",
+                               bench(lambda: sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg)), fl_b, by_b + by_pds))
+            parts = {}
+            sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg, parts)
+            delta = parts["delta"]
+            kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
+            results.append(row("  of which the dq kernel (writes P, dS)",
+                               bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
+            kk = sb.dkv_kernel(H, D, T, BI=k["BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
+                               ws=k["dkv_ws"])
+            dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
+            results.append(row("  of which the dkv kernel (atomics x4)",
+                               bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
+                               "2 of 5 GEMMs; accumulates into dkv across reps"))
+            del parts, dkv
+        except Exception as e:
+            print(f"  split bwd {cfg}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+    # the same end to end through the autograd dispatch (BWD_IMPL switch)
+    try:
+        results.append(row("sparse_attn bwd  _bwd(bwd_impl='split') default cfg",
+                           bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale, bwd_impl="split")), fl_b, by_b))
+    except Exception as e:
+        print(f"  _bwd split: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 def gemms(results, args):
@@ -372,6 +411,9 @@ def main(argv=None):
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
     args.attn_fwd_cfgs = [dict(BI=128, stages=1)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
+    args.attn_bwd_split_cfgs = [{}, dict(dkv_ws=True), dict(DC=256), dict(dkv_threads=256),
+                                dict(DC=256, dkv_threads=256), dict(dkv_stages=3), dict(dq_stages=0),
+                                dict(dq_threads=512), dict(dq_threads=512, dq_stages=0)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),
                       dict(async_promote=True, stages=3)]
     args.fp4_gemm_cfgs = [dict(stages=3), dict(stages=4), dict(stages=2)]

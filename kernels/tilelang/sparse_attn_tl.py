@@ -236,9 +236,18 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64):
     return tuple(k(q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx))
 
 
-def _bwd(q, kv, sink, idx, o, lse, do, scale):
+# Backward implementation: "atomic" (the single kernel above) or "split" (sparse_attn_bwd_tl: a dq
+# kernel writing P/dS, then a dkv kernel with vector atomics). Module-level so the autograd path and
+# the custom op keep their signatures; tests/bench set it or pass bwd_impl.
+BWD_IMPL = "atomic"
+
+
+def _bwd(q, kv, sink, idx, o, lse, do, scale, bwd_impl=None):
     B, M, H, D = q.shape
     idx = _pad_idx(idx, 128)        # as in the forward: same padded slots
+    if (bwd_impl or BWD_IMPL) == "split":
+        from .sparse_attn_bwd_tl import bwd_split
+        return bwd_split(q, kv, sink, idx, o, lse, do, scale)
     do = do.contiguous()
     delta = delta_kernel(H, D)(o.reshape(B * M, H, D), do.reshape(B * M, H, D)).view(B, M, H)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)

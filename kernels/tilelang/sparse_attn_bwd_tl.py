@@ -1,0 +1,191 @@
+"""Sparse attention backward split in two kernels (issue #7 item 1): dq over queries, dkv over (query, slot).
+
+Shapes: q, o, do [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), idx [B, M, TP] int32 (-1 holes, TP a
+multiple of BI), lse / delta [B, M, H] fp32 (lse in log2 units of the scaled logits, as the forward
+writes it; delta = dO . O). Math as in ``sparse_attn_tl`` (the single-kernel "atomic" backward).
+
+1. ``dq_kernel`` — one CTA per (query, <= 64 heads), 3 GEMMs per index block: S = q kv^T,
+   dP = dO kv^T, dq += dS kv, with P = exp2(c S - LSE) and dS = scale * P * (dP - Delta). It also writes
+   P and dS as bf16 to global [B, M, H, TP] (the same bf16 values the single kernel feeds its dkv GEMMs,
+   so the numerics are unchanged). Without the dkv GEMMs and their [BI, D/DS] accumulator the kernel
+   keeps only dq (BH x D fp32) and two BH x BI tiles in registers.
+   Bytes: 2 x M*H*TP*2 = 671 MB written at the release shape (~0.15 ms at H200 bandwidth).
+
+2. ``dkv_kernel`` — one CTA per (query, D chunk of DC columns): q[m] and dO[m] (its DC columns) stay in
+   shared memory; for each index block it reads the P / dS tiles back, forms
+   dkv_blk[BI, DC] = dS^T q + P^T dO (two GEMMs, K = heads) and adds the rows into the fp32 dkv buffer
+   from a shared staging tile with 16-byte vector atomics (red.global.add.v4.f32), skipping holes.
+   Same number of atomic adds as the single kernel, but 4 floats per instruction instead of 2, rows
+   contiguous, and the adds overlap other CTAs' GEMMs (2 CTAs/SM at DC=128).
+
+Why not a CSR kernel over kv rows without atomics: dkv[n] = sum over the (m, t) that use row n of
+dS[m, :, t] . q[m] — the reduction for one row runs over heads of *different* queries, so a row's GEMM
+has M = 1 and must stream q[m], dO[m] (128 KB) per use: 2.36 M uses x 128 KB = 300 GB at the release
+shape. Grouping rows only helps where rows share their users: window rows do (each block of 64
+consecutive rows is used by 191 consecutive queries, 67% dense), the top-k compressed rows (80% of the
+slots) do not (each query picks 512 of <= 2048 at random, 25% density). So the per-query GEMM
+(K = heads) plus a reduction across queries is the structure; this file makes that reduction cheaper.
+"""
+import functools
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from ._common import LOG2E, compile_kernel
+
+BF16, F32, I32 = "bfloat16", "float32", "int32"
+
+
+def _head_block(H: int) -> int:
+    bh = min(H, 64)
+    if H % bh or bh % 16:
+        raise ValueError(f"sparse_attn (tilelang): heads {H} must be a multiple of 16 (<= 64) or of 64")
+    return bh
+
+
+@functools.lru_cache(maxsize=None)
+def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 1, threads: int = 256):
+    """dq, P, dS = dq_kernel(q, kv, do, idx, lse, delta); P, dS bf16 [B, M, H, TP] (0 at holes).
+
+    threads 256: two warpgroups split every GEMM's N (dq [64, 512] fp32 = 128 registers a thread;
+    ptxas: 240 registers at stages 0, 255 + 472 B of spills at stages 1); threads 512: four warpgroups,
+    dq 64 registers a thread, narrower (n16) QK / dP WGMMAs."""
+    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
+    BH = _head_block(H)
+    NI = TP // BI
+    c = float(scale) * LOG2E
+
+    @T.prim_func
+    def sparse_attn_bwd_dq(
+        Q: T.Tensor([B, M, H, D], BF16),
+        KV: T.Tensor([B, N, D], BF16),
+        dO: T.Tensor([B, M, H, D], BF16),
+        Idx: T.Tensor([B, M, TP], I32),
+        Lse: T.Tensor([B, M, H], F32),
+        Delta: T.Tensor([B, M, H], F32),
+        dQ: T.Tensor([B, M, H, D], BF16),
+        P: T.Tensor([B, M, H, TP], BF16),
+        dS: T.Tensor([B, M, H, TP], BF16),
+    ):
+        with T.Kernel(M, H // BH, B, threads=threads) as (mi, hb, bi):
+            q_s = T.alloc_shared([BH, D], BF16)
+            do_s = T.alloc_shared([BH, D], BF16)
+            kv_s = T.alloc_shared([BI, D], BF16)
+            p_s = T.alloc_shared([BH, BI], BF16)
+            ds_s = T.alloc_shared([BH, BI], BF16)
+            valid = T.alloc_fragment([BI], "bool")
+            acc_p = T.alloc_fragment([BH, BI], F32)
+            acc_dp = T.alloc_fragment([BH, BI], F32)
+            acc_dq = T.alloc_fragment([BH, D], F32)
+            lse = T.alloc_fragment([BH], F32)
+            delta = T.alloc_fragment([BH], F32)
+
+            h0 = hb * BH
+            T.copy(Q[bi, mi, h0:h0 + BH, :], q_s)
+            T.copy(dO[bi, mi, h0:h0 + BH, :], do_s)
+            T.copy(Lse[bi, mi, h0:h0 + BH], lse)
+            T.copy(Delta[bi, mi, h0:h0 + BH], delta)
+            T.clear(acc_dq)
+
+            for it in T.Pipelined(NI, num_stages=stages):
+                for t in T.Parallel(BI):
+                    valid[t] = Idx[bi, mi, it * BI + t] >= 0
+                for t, d in T.Parallel(BI, D):
+                    kv_s[t, d] = KV[bi, T.max(Idx[bi, mi, it * BI + t], 0), d]
+                for h, t in T.Parallel(BH, BI):
+                    acc_p[h, t] = T.if_then_else(valid[t], 0, -T.infinity(F32))
+                T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                for h, t in T.Parallel(BH, BI):
+                    acc_p[h, t] = T.exp2(acc_p[h, t] * c - lse[h])
+                for h, t in T.Parallel(BH, BI):
+                    acc_dp[h, t] = acc_p[h, t] * (acc_dp[h, t] - delta[h]) * scale
+                T.copy(acc_p, p_s)
+                T.copy(acc_dp, ds_s)
+                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(p_s, P[bi, mi, h0:h0 + BH, it * BI:(it + 1) * BI])
+                T.copy(ds_s, dS[bi, mi, h0:h0 + BH, it * BI:(it + 1) * BI])
+
+            T.copy(acc_dq, q_s)
+            T.copy(q_s, dQ[bi, mi, h0:h0 + BH, :])
+
+    return compile_kernel(sparse_attn_bwd_dq, out_idx=[6, 7, 8])
+
+
+@functools.lru_cache(maxsize=None)
+def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int = 2, threads: int = 128,
+               ws: bool = False):
+    """dkv_kernel(q, do, idx, P, dS, dkv_acc): dkv_acc (fp32 [B, N, D]) += dS^T q + P^T dO per used row.
+
+    One CTA per (D chunk, query, batch); the chunk index runs fastest so the D/DC CTAs of one query
+    (which read the same P / dS tiles) are resident together and share them through L2.
+    ws=False (default) turns TileLang's automatic warp specialisation off: with it, a TMA producer
+    warpgroup is added and launch_bounds(256) reserves 168+ registers a thread, one CTA per SM; without
+    it, DC=128 / 128 threads needs ~100 registers and 96 KB of shared memory, two CTAs per SM, so one
+    CTA's atomics drain while the other runs its GEMMs."""
+    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
+    NI = TP // BI
+    if D % DC or DC % 4:
+        raise ValueError(f"dkv_kernel: D {D} must be a multiple of DC {DC} (a multiple of 4)")
+
+    @T.prim_func
+    def sparse_attn_bwd_dkv(
+        Q: T.Tensor([B, M, H, D], BF16),
+        dO: T.Tensor([B, M, H, D], BF16),
+        Idx: T.Tensor([B, M, TP], I32),
+        P: T.Tensor([B, M, H, TP], BF16),
+        dS: T.Tensor([B, M, H, TP], BF16),
+        dKV: T.Tensor([B, N, D], F32),
+    ):
+        with T.Kernel(D // DC, M, B, threads=threads) as (dc, mi, bi):
+            q_s = T.alloc_shared([H, DC], BF16)
+            do_s = T.alloc_shared([H, DC], BF16)
+            p_s = T.alloc_shared([H, BI], BF16)
+            ds_s = T.alloc_shared([H, BI], BF16)
+            stage = T.alloc_shared([BI, DC], F32)
+            acc = T.alloc_fragment([BI, DC], F32)
+
+            d0 = dc * DC
+            T.copy(Q[bi, mi, :, d0:d0 + DC], q_s)
+            T.copy(dO[bi, mi, :, d0:d0 + DC], do_s)
+            for it in T.Pipelined(NI, num_stages=stages):
+                T.copy(P[bi, mi, :, it * BI:(it + 1) * BI], p_s)
+                T.copy(dS[bi, mi, :, it * BI:(it + 1) * BI], ds_s)
+                T.gemm(ds_s, q_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                T.gemm(p_s, do_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(acc, stage)
+                for t, j in T.Parallel(BI, DC // 4):
+                    if Idx[bi, mi, it * BI + t] >= 0:
+                        T.atomic_addx4(dKV[bi, Idx[bi, mi, it * BI + t], d0 + j * 4], stage[t, j * 4])
+
+    cfg = {} if ws else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    return compile_kernel(sparse_attn_bwd_dkv, pass_configs=cfg)
+
+
+# ----------------------------------------------------------------------------- launch helpers
+DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, DC=128, dkv_stages=2, dkv_threads=128, dkv_ws=False)
+
+
+def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, parts: dict | None = None):
+    """dq, dkv, dsink with the split kernels; idx padded here to a multiple of 128 (as the forward
+    pads it). ``parts`` (a dict), if given, receives the intermediates (bench)."""
+    from .sparse_attn_tl import _pad_idx, delta_kernel
+    k = dict(DEFAULT_CFG, **(cfg or {}))
+    B, M, H, D = q.shape
+    idx = _pad_idx(idx, 128)                                      # no-op for the forward's padded idx
+    TP = idx.shape[-1]
+    if TP % k["BI"]:
+        raise ValueError(f"bwd_split: BI {k['BI']} must divide 128")
+    q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
+    delta = delta_kernel(H, D)(o.reshape(B * M, H, D), do.reshape(B * M, H, D)).view(B, M, H)
+    dq, p, ds = dq_kernel(H, D, TP, float(scale), BI=k["BI"], stages=k["dq_stages"],
+                          threads=k["dq_threads"])(q, kv, do, idx, lse, delta)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv_kernel(H, D, TP, BI=k["BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
+               ws=k["dkv_ws"])(q, do, idx, p, ds, dkv)
+    p_sink = torch.exp2(sink.float() * LOG2E - lse)              # [B, M, H]
+    dsink = -(p_sink * delta).sum((0, 1))
+    if parts is not None:
+        parts.update(delta=delta, p=p, ds=ds)
+    return dq, dkv.to(kv.dtype), dsink.to(sink.dtype)
