@@ -176,9 +176,12 @@ def gemms(results, args):
         fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
         sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
         for cfg in args.gemm_cfgs:
-            k = fg.fp8_gemm_kernel(N, K, **cfg)
-            results.append(row(f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}",
-                               bench(lambda: k(a, sa, b, sb)), fl, by))
+            name = f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
+            try:                                   # a failing variant prints its error, the sweep goes on
+                k = fg.fp8_gemm_kernel(N, K, **cfg)
+                results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by))
+            except Exception as e:
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         results.append(row("fp8_gemm end-to-end (scale conversion incl.)",
                            bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl, by))
         sa_r = torch.rand(M, 1, device="cuda") + 0.5
@@ -188,6 +191,16 @@ def gemms(results, args):
                            bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl, by))
         xb, wb = x, torch.randn(N, K, device="cuda").bfloat16()
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
+
+
+# v2 block-scaled GEMM variants (kernels/tilelang/_gemm.py) swept by "gemm" and "fp4gemm"; v1 stays the default.
+GEMM_V2_CFGS = [dict(async_promote=False), dict(async_promote=True), dict(async_promote=False, stages=3),
+                dict(async_promote=False, BN=192), dict(async_promote=False, BM=192, threads=384),
+                dict(async_promote=True, BK=256, stages=3)]
+FP4_GEMM_V2_CFGS = [dict(async_promote=False), dict(async_promote=False, conv="x8"),
+                    dict(async_promote=True, conv="x8"), dict(async_promote=False, conv="x8", stages=4),
+                    dict(async_promote=False, conv="x8", BN=192),
+                    dict(async_promote=False, conv="x8", BM=192, threads=384)]
 
 
 def fp4_gemms(results, args):
@@ -205,9 +218,12 @@ def fp4_gemms(results, args):
         fl, by = 2 * M * N * K, M * K + N * K // 2 + M * N * 2 + M * K // 32 + N * K // 32
         sa, bp, sb = f4.operands(a_s, b, b_s, K)
         for cfg in args.fp4_gemm_cfgs:
-            k = f4.fp4_gemm_kernel(N, K, **cfg)
-            results.append(row(f"fp4_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}",
-                               bench(lambda: k(a, sa, bp, sb)), fl, by))
+            name = f"fp4_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
+            try:                                   # a failing variant prints its error, the sweep goes on
+                k = f4.fp4_gemm_kernel(N, K, **cfg)
+                results.append(row(name, bench(lambda: k(a, sa, bp, sb)), fl, by))
+            except Exception as e:
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         results.append(row("fp4_gemm end-to-end (scale conversion incl.)",
                            bench(lambda: f4.fp4_gemm(a, a_s, b, b_s)), fl, by))
         b8, b8_s = Q.quant_fp8_block(w)
@@ -414,9 +430,9 @@ def main(argv=None):
     args.attn_bwd_split_cfgs = [{}, dict(dkv_ws=True), dict(DC=256), dict(dkv_threads=256),
                                 dict(DC=256, dkv_threads=256), dict(dkv_stages=3), dict(dq_stages=0),
                                 dict(dq_threads=512), dict(dq_threads=512, dq_stages=0)]
-    args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),
-                      dict(async_promote=True, stages=3)]
-    args.fp4_gemm_cfgs = [dict(stages=3), dict(stages=4), dict(stages=2)]
+    args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),      # v1 (default) first
+                      *[dict(variant="v2", **c) for c in GEMM_V2_CFGS]]
+    args.fp4_gemm_cfgs = [dict(stages=3), *[dict(variant="v2", **c) for c in FP4_GEMM_V2_CFGS]]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     try:
         import tilelang

@@ -39,6 +39,44 @@ def test_fp8_gemm(shape):
     assert nbad <= c.numel() * 1e-4, (nbad, mx)
 
 
+# v2 (kernels/tilelang/_gemm.py main loop) configurations the bench sweeps; all must match like v1.
+V2_CFGS = [dict(variant="v2", async_promote=False), dict(variant="v2", async_promote=True)]
+V2_WIDE_CFGS = [dict(variant="v2", async_promote=False, BN=192),
+                dict(variant="v2", async_promote=False, BM=192, threads=384),
+                dict(variant="v2", async_promote=True, BK=256, stages=3)]
+FP4_V2_CFGS = [dict(variant="v2", async_promote=False), dict(variant="v2", async_promote=False, conv="x8"),
+               dict(variant="v2", async_promote=True, conv="x8")]
+FP4_V2_WIDE_CFGS = [dict(c, conv="x8") for c in V2_WIDE_CFGS[:2]]
+_cfg_id = lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+
+
+def _check_close(c, ref, what):
+    assert c.dtype == torch.bfloat16 and c.shape == ref.shape
+    cd = cosine_diff(c, ref)
+    nbad, mx = _close_bf16(c, ref, ulps=2)          # 2 * 2^-8 relative = one bf16 ulp at worst
+    print(f"{what}: cosine diff {cd:.2e}, beyond 1 ulp {nbad}/{c.numel()}, max abs {mx:.3e}")
+    assert cd < 1e-5
+    assert nbad <= c.numel() * 1e-4, (nbad, mx)
+
+
+@pytest.mark.parametrize("cfg", V2_CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_v2(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape)
+    _check_close(fg.fp8_gemm(a, a_s, b, b_s, **cfg), K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
+
+
+@pytest.mark.parametrize("cfg", V2_WIDE_CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("shape", [(300, 5120, 2304), (4096, 5120, 5120)], ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_v2_wide(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape)
+    _check_close(fg.fp8_gemm(a, a_s, b, b_s, **cfg), K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
+
+
 def test_fp8_gemm_leading_dims():
     _need_tilelang()
     a, a_s, b, b_s = _fp8_operands(6, 256, 512, seed=1)
@@ -76,6 +114,24 @@ def test_fp4_gemm(shape):
     print(f"fp4_gemm {shape}: cosine diff {cd:.2e}, beyond 1 ulp {nbad}/{c.numel()}, max abs {mx:.3e}")
     assert cd < 1e-5
     assert nbad <= c.numel() * 1e-4, (nbad, mx)
+
+
+@pytest.mark.parametrize("cfg", FP4_V2_CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("shape", FP4_GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp4_gemm_v2(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    a, a_s, b, b_s = _fp4_gemm_operands(*shape)
+    _check_close(f4.fp4_gemm(a, a_s, b, b_s, **cfg), K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 {shape} {cfg}")
+
+
+@pytest.mark.parametrize("cfg", FP4_V2_WIDE_CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("shape", [(300, 5120, 2304), (4096, 2304, 5120)], ids=lambda s: "x".join(map(str, s)))
+def test_fp4_gemm_v2_wide(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    a, a_s, b, b_s = _fp4_gemm_operands(*shape)
+    _check_close(f4.fp4_gemm(a, a_s, b, b_s, **cfg), K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 {shape} {cfg}")
 
 
 def test_fp4_gemm_leading_dims_act_block128():

@@ -9,6 +9,10 @@ with its two power-of-two scales (the release's order: sum each K block, scale, 
 Conversion: e2m1 code ``s e1 e0 m`` -> e4m3 byte ``s 000 e1 e0 m 00`` = value * 2^-6 exactly (code 1 = 0.5
 lands on the e4m3 subnormal 2^-7, the normal codes keep their exponent offset), so the per-element work is
 two masks and two shifts; the 2^6 is folded into B's fp32 scales on the host (exact: powers of two).
+
+``variant="v1"`` (default until measured) is the loop below; ``variant="v2"`` runs the converted tile
+through the shared main loop of ``_gemm.py`` (FullRow warpgroups, scale product precomputed per
+(row, 32-column block), optional async promotion), the same loop as the fp8 GEMM's v2.
 """
 import functools
 
@@ -18,17 +22,42 @@ import tilelang.language as T
 from functional_dsv41 import quant
 
 from ._common import compile_kernel
+from ._gemm import promote_loop
 from .fp8_gemm_tl import _scales
 
 BF16, F32, FP8, U8 = "bfloat16", "float32", "float8_e4m3fn", "uint8"
 
+# conv="x8": 8 codes per thread step with 32-bit ops (4 packed bytes -> 8 e4m3 bytes): the even and odd
+# nibbles are separated with two masks, each byte mapped ``s e1 e0 m`` -> ``s 0 0 e1 e0 m 0 0`` (the byte-wise
+# formula below, on four bytes at once), then interleaved back into element order with two byte permutes.
+# One 4-byte shared load and one 8-byte shared store per 8 elements (the byte loop: 8 loads, 4 stores).
+_CONV_X8_SRC = r"""
+__device__ __forceinline__ void dsv41_fp4x8_to_e4m3(const void* src, void* dst) {
+  const unsigned w = *reinterpret_cast<const unsigned*>(src);
+  unsigned lo = w & 0x0F0F0F0Fu;          // elements 0, 2, 4, 6 (low nibbles)
+  unsigned hi = (w >> 4) & 0x0F0F0F0Fu;   // elements 1, 3, 5, 7 (high nibbles)
+  lo = ((lo & 0x07070707u) << 2) | ((lo & 0x08080808u) << 4);
+  hi = ((hi & 0x07070707u) << 2) | ((hi & 0x08080808u) << 4);
+  uint2 o;
+  o.x = __byte_perm(lo, hi, 0x5140);      // lo.b0 hi.b0 lo.b1 hi.b1 = elements 0..3
+  o.y = __byte_perm(lo, hi, 0x7362);      // lo.b2 hi.b2 lo.b3 hi.b3 = elements 4..7
+  *reinterpret_cast<uint2*>(dst) = o;
+}
+"""
+
 
 @functools.lru_cache(maxsize=None)
 def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128, stages: int = 3,
-                    threads: int = 256, swizzle: int = 8):
+                    threads: int = 256, swizzle: int = 8, variant: str = "v1", async_promote: bool = False,
+                    conv: str = "byte"):
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
     assert K % BK == 0 and BK % 32 == 0
+    assert variant in ("v1", "v2") and conv in ("byte", "x8"), (variant, conv)
+    v2 = variant == "v2"
+    if v2:
+        assert BN % 32 == 0 and BM == 64 * (threads // 128)
+        body = promote_loop(BM, BN, SB, async_promote)
 
     @T.prim_func
     def fp4_gemm(
@@ -46,6 +75,9 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
             sb = T.alloc_shared([BN, SB], F32)
             acc = T.alloc_fragment([BM, BN], F32)
             tmp = T.alloc_fragment([BM, BN], F32)
+            if v2:
+                tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
+                sp = T.alloc_fragment([BM, BN // 32], F32)
             c_s = T.alloc_shared([BM, BN], BF16)
             T.use_swizzle(swizzle)
             T.clear(acc)
@@ -54,16 +86,26 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
                 T.copy(Bp[bx * BN, k * (BK // 2)], bp_s)
                 T.copy(As[by * BM, k * SB], sa)
                 T.copy(Bs[bx * BN, k * SB], sb)
-                for i, j in T.Parallel(BN, BK):
-                    code = (bp_s[i, j // 2] >> T.Cast(U8, (j % 2) * 4)) & T.uint8(15)
-                    b_s[i, j] = T.reinterpret(((code & T.uint8(7)) << T.uint8(2)) | ((code & T.uint8(8)) << T.uint8(4)), FP8)
+                if conv == "x8":
+                    T.import_source(_CONV_X8_SRC)
+                    T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
+                    for i, q in T.Parallel(BN, BK // 8):
+                        T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
+                                      T.address_of(b_s[i, q * 8]))
+                else:
+                    for i, j in T.Parallel(BN, BK):
+                        code = (bp_s[i, j // 2] >> T.Cast(U8, (j % 2) * 4)) & T.uint8(15)
+                        b_s[i, j] = T.reinterpret(((code & T.uint8(7)) << T.uint8(2)) | ((code & T.uint8(8)) << T.uint8(4)), FP8)
                 T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
                 T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
-                for kk in T.unroll(SB):
-                    T.gemm(a_s[:, kk * 32:(kk + 1) * 32], b_s[:, kk * 32:(kk + 1) * 32], tmp,
-                           transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BM, BN):
-                        acc[i, j] += tmp[i, j] * (sa[i, kk] * sb[j, kk])
+                if v2:
+                    body(a_s, b_s, sa, sb, acc, tmp, tmp1, sp)
+                else:
+                    for kk in T.unroll(SB):
+                        T.gemm(a_s[:, kk * 32:(kk + 1) * 32], b_s[:, kk * 32:(kk + 1) * 32], tmp,
+                               transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BM, BN):
+                            acc[i, j] += tmp[i, j] * (sa[i, kk] * sb[j, kk])
             T.copy(acc, c_s)
             T.copy(c_s, C[by * BM, bx * BN])
 

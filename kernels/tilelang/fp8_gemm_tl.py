@@ -6,6 +6,10 @@ a temporary accumulator, promoted into the fp32 result with the product of its t
 scales: ``acc += tmp * sa[m, kb] * sb[n // 32, kb]`` (the release kernel's order: sum each K block,
 scale, accumulate in fp32). With ``async_promote`` the WGMMA of slice kk+1 is issued before slice
 kk is promoted (two temporaries), so the tensor cores and the FMA pipe overlap inside a warpgroup.
+
+``variant="v1"`` (default until measured) is the loop below; ``variant="v2"`` is the shared main loop of
+``_gemm.py`` (FullRow warpgroups, scale product precomputed per (row, 32-column block): one FFMA per
+element), also used by the fp4 GEMM.
 """
 import functools
 
@@ -15,13 +19,17 @@ import tilelang.language as T
 from functional_dsv41 import quant
 
 from ._common import compile_kernel
+from ._gemm import promote_loop
 
 BF16, F32, FP8 = "bfloat16", "float32", "float8_e4m3fn"
 
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128, stages: int = 4,
-                    threads: int = 256, async_promote: bool = True, swizzle: int = 8):
+                    threads: int = 256, async_promote: bool = True, swizzle: int = 8, variant: str = "v1"):
+    if variant == "v2":
+        return _fp8_gemm_v2(N, K, BM, BN, BK, stages, threads, async_promote, swizzle)
+    assert variant == "v1", variant
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
     assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0
@@ -83,6 +91,45 @@ def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
             T.copy(c_s, C[by * BM, bx * BN])
 
     return compile_kernel(fp8_gemm, out_idx=[4])
+
+
+def _fp8_gemm_v2(N, K, BM, BN, BK, stages, threads, async_promote, swizzle):
+    """v2: the shared block-scaled main loop (``_gemm.promote_loop``); BM = 64 per consumer warpgroup."""
+    M = T.dynamic("M")
+    KB, SB = K // 32, BK // 32
+    assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
+    body = promote_loop(BM, BN, SB, async_promote)
+
+    @T.prim_func
+    def fp8_gemm_v2(
+        A: T.Tensor([M, K], FP8),
+        As: T.Tensor([M, KB], F32),
+        Bm: T.Tensor([N, K], FP8),
+        Bs: T.Tensor([N, KB], F32),
+        C: T.Tensor([M, N], BF16),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
+            a_s = T.alloc_shared([BM, BK], FP8)
+            b_s = T.alloc_shared([BN, BK], FP8)
+            sa = T.alloc_shared([BM, SB], F32)
+            sb = T.alloc_shared([BN, SB], F32)
+            acc = T.alloc_fragment([BM, BN], F32)
+            tmp0 = T.alloc_fragment([BM, BN], F32)
+            tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp0
+            sp = T.alloc_fragment([BM, BN // 32], F32)
+            c_s = T.alloc_shared([BM, BN], BF16)
+            T.use_swizzle(swizzle)
+            T.clear(acc)
+            for k in T.Pipelined(K // BK, num_stages=stages):
+                T.copy(A[by * BM, k * BK], a_s)
+                T.copy(Bm[bx * BN, k * BK], b_s)
+                T.copy(As[by * BM, k * SB], sa)
+                T.copy(Bs[bx * BN, k * SB], sb)
+                body(a_s, b_s, sa, sb, acc, tmp0, tmp1, sp)
+            T.copy(acc, c_s)
+            T.copy(c_s, C[by * BM, bx * BN])
+
+    return compile_kernel(fp8_gemm_v2, out_idx=[4])
 
 
 def _scales(s: torch.Tensor) -> torch.Tensor:
