@@ -68,19 +68,48 @@ def _attn_release_inputs(args):
 
 
 def attention_fwd(results, args):
+    """Forward at the release shape: the default path (FWD_DEFAULT), both kernels explicitly, then the
+    sweep ``args.attn_fwd_cfgs`` (dicts with ``kernel`` "ws" -> fwd_kernel_ws or "lockstep" -> fwd_kernel,
+    the rest its keyword arguments); each variant also prints its distance to the lock-step output
+    (cosine diff, max abs) so a broken variant shows next to its time."""
     from functional_dsv41.kernels import reference
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     a = _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
-    H, D, T = q.shape[2], q.shape[3], idx.shape[-1]
-    results.append(row("sparse_attn fwd  tilelang", bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f))
-    for cfg in args.attn_fwd_cfgs:                 # tile-configuration sweep of the forward kernel
+    H, D = q.shape[2], q.shape[3]
+    o_ref = sa._fwd(q, kv, sink, idx, scale, impl="lockstep")[0].float()
+
+    def dist(o):
+        o = o.float()
+        cd = 1 - torch.nn.functional.cosine_similarity(o.flatten(), o_ref.flatten(), dim=0).item()
+        return f"vs lock-step: cos diff {cd:.1e}, max abs {(o - o_ref).abs().max().item():.2e}"
+
+    o = sa._fwd(q, kv, sink, idx, scale)[0]
+    results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
+                       bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
+    for impl in ("ws", "lockstep"):
+        for block in (64, 128):
+            try:
+                o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
+                results.append(row(f"  _fwd impl={impl} block={block}",
+                                   bench(lambda: sa._fwd(q, kv, sink, idx, scale, block, impl=impl)), fl, by_f, dist(o)))
+            except Exception as e:
+                print(f"  _fwd impl={impl} block={block}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    for cfg in args.attn_fwd_cfgs:                 # kernel-configuration sweep
+        cfg = dict(cfg)
+        kind = cfg.pop("kernel", "lockstep")
+        name = f"  {kind} kernel {json.dumps(cfg, separators=(',', ':'))}"
         try:
-            kf = sa.fwd_kernel(H, D, T, scale, **cfg)
-            results.append(row(f"  fwd kernel {json.dumps(cfg, separators=(',', ':'))}",
-                               bench(lambda: kf(q, kv, sink, idx)), fl, by_f))
+            if kind == "ws":
+                ip = sa._pad_idx(idx, 2 * cfg.get("BI", 32))
+                kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg)
+            else:
+                ip = sa._pad_idx(idx, 128)
+                kf = sa.fwd_kernel(H, D, ip.shape[-1], scale, **cfg)
+            o = kf(q, kv, sink, ip)[0]
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip)), fl, by_f, dist(o)))
         except Exception as e:
-            print(f"  fwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     results.append(row("sparse_attn fwd  torch reference", bench(lambda: reference.sparse_attn(q, kv, sink, idx, scale), 2, 5),
                        fl, by_f))
     kvg = kv[0, idx[0].clamp_min(0).long()]                            # [M, T, D] gathered once
@@ -147,7 +176,7 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
             kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
             results.append(row("  of which the dq kernel (writes P, dS)",
                                bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
-            kk = sb.dkv_kernel(H, D, T, BI=k["BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
+            kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
                                ws=k["dkv_ws"])
             dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
             results.append(row("  of which the dkv kernel (atomics x4)",
@@ -425,11 +454,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
-    args.attn_fwd_cfgs = [dict(BI=128, stages=1)]
+    args.attn_fwd_cfgs = [dict(kernel="ws", BI=32, stages=4, early_qk=False), dict(kernel="ws", BI=32, stages=4, nreg=(224, 56)),
+                          dict(kernel="ws", BI=16, stages=8), dict(kernel="ws", BI=48, stages=3, early_qk=False)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
     args.attn_bwd_split_cfgs = [{}, dict(dkv_ws=True), dict(DC=256), dict(dkv_threads=256),
                                 dict(DC=256, dkv_threads=256), dict(dkv_stages=3), dict(dq_stages=0),
-                                dict(dq_threads=512), dict(dq_threads=512, dq_stages=0)]
+                                dict(dq_threads=512), dict(dq_threads=512, dq_stages=0),
+                                dict(dkv_BI=128, DC=64), dict(dkv_BI=128, DC=128, dkv_stages=1),
+                                dict(dkv_BI=128, DC=128, dkv_threads=256, dkv_stages=1)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),      # v1 (default) first
                       *[dict(variant="v2", **c) for c in GEMM_V2_CFGS]]
     args.fp4_gemm_cfgs = [dict(stages=3), *[dict(variant="v2", **c) for c in FP4_GEMM_V2_CFGS]]

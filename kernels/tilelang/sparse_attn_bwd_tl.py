@@ -164,7 +164,9 @@ def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int
 
 
 # ----------------------------------------------------------------------------- launch helpers
-DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, DC=128, dkv_stages=2, dkv_threads=128, dkv_ws=False)
+# BI: the dq kernel's index block; dkv_BI: the dkv kernel's (its GEMM M; it reads P / dS back from
+# global memory, so the two need not match; both must divide 128, the padding of idx).
+DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, dkv_BI=64, DC=128, dkv_stages=2, dkv_threads=128, dkv_ws=False)
 
 
 def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, parts: dict | None = None):
@@ -175,14 +177,14 @@ def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, part
     B, M, H, D = q.shape
     idx = _pad_idx(idx, 128)                                      # no-op for the forward's padded idx
     TP = idx.shape[-1]
-    if TP % k["BI"]:
-        raise ValueError(f"bwd_split: BI {k['BI']} must divide 128")
+    if TP % k["BI"] or TP % k["dkv_BI"]:
+        raise ValueError(f"bwd_split: BI {k['BI']} and dkv_BI {k['dkv_BI']} must divide 128")
     q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
     delta = delta_kernel(H, D)(o.reshape(B * M, H, D), do.reshape(B * M, H, D)).view(B, M, H)
     dq, p, ds = dq_kernel(H, D, TP, float(scale), BI=k["BI"], stages=k["dq_stages"],
                           threads=k["dq_threads"])(q, kv, do, idx, lse, delta)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    dkv_kernel(H, D, TP, BI=k["BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
+    dkv_kernel(H, D, TP, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
                ws=k["dkv_ws"])(q, do, idx, p, ds, dkv)
     p_sink = torch.exp2(sink.float() * LOG2E - lse)              # [B, M, H]
     dsink = -(p_sink * delta).sum((0, 1))
