@@ -422,7 +422,7 @@ def indexer(results, args):
         dI = torch.randn_like(out).masked_fill(torch.isneginf(out), 0)
         results.append(row("index_scores bwd (dq, dk, dw) tilelang path",
                            bench(lambda: torch.autograd.grad(out, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
-        results.append(row("  bwd via autograd of the reference on recomputed scores",
+        results.append(row("  bwd in plain torch ops (recomputed [s,Hi,n] scores)",
                            bench(lambda: it._score_bwd_torch(q, k, w, lo, hi, None, dI), 2, 10), 3 * fl))
         outr = ref.index_scores(qg, kg, wg, lo, hi)
         results.append(row("index_scores bwd torch reference (autograd)",

@@ -134,6 +134,23 @@ def test_index_scores_backward(shape):
         out = K.index_scores(qq, kk, ww, lo, hi, impl=impl)
         grads.append(torch.autograd.grad(out, (qq, kk, ww), dI.masked_fill(torch.isneginf(out), 0)))
     for a, r in zip(*grads):
+        print(f"grad cosine diff {cosine_diff(a, r):.2e}")
+        assert cosine_diff(a, r) < 1e-4
+
+
+def test_index_scores_backward_candidates():
+    need_tilelang()
+    b, s, n, H, D = 2, 70, 260, 32, 128
+    q, k, w, lo, hi = _inputs(b, s, n, H, D, ratio=1)
+    cand = torch.rand(b, s, n, device=DEV, generator=torch.Generator(device=DEV).manual_seed(4)) < 0.5
+    dI = torch.randn(b, s, n, device=DEV).bfloat16()
+    grads = []
+    for impl in ("tilelang", "torch"):
+        qq, kk, ww = (t.clone().requires_grad_(True) for t in (q, k, w))
+        out = K.index_scores(qq, kk, ww, lo, hi, cand, impl=impl)
+        grads.append(torch.autograd.grad(out, (qq, kk, ww), dI))      # dI where -inf: must be ignored
+    for a, r in zip(*grads):
+        assert torch.isfinite(a.float()).all()
         assert cosine_diff(a, r) < 1e-4
 
 

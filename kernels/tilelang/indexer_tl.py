@@ -15,8 +15,9 @@ to K* still needed, then an ordered compaction (per-thread contiguous segments +
 entries > K* and the first r entries == K* in index order. Output is therefore ascending, exactly the
 reference's set (ties to the lower index), -1 padding after min(k, #finite) entries.
 
-Backward of the scores (``dq, dk, dw``) is computed by the torch reference's autograd on recomputed
-scores for now (``_IndexScores.backward``); a fused kernel is the next step.
+Backward of the scores (``dq, dk, dw``): two kernels that recompute q.k per block (no [s, Hi, n]
+tensor): dq and dw per query block in registers, dk per entry block with the query blocks split over
+P CTAs and fp32 atomics (``BWD_KERNEL = False`` uses autograd of the torch reference instead).
 """
 
 import functools
@@ -252,6 +253,170 @@ def topk_kernel(KT: int, threads: int = 512):
     return compile_kernel(index_topk, out_idx=[1])
 
 
+# ----------------------------------------------------------------------------- backward of the scores
+# dS[t, h, j] = bf16(dI[t, j] * w[t, h]) * (q.k > 0) (as the reference's autograd rounds it), with dI
+# zeroed outside the visible range / candidates; dq = dS k, dk = dS^T q, dw[t, h] = sum_j dI ReLU(q.k).
+# q.k is recomputed per block (no [s, Hi, n] tensor). Two kernels: one over query blocks (dq, dw, in
+# registers), one over entry blocks (dk in registers, query blocks split over P CTAs + fp32 atomics).
+@functools.lru_cache(maxsize=None)
+def bwd_q_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = False, threads: int = 256):
+    """dQ [B, S, H, D] bf16, dW [B, S, H] fp32 = bwd_q(Q, K, W, Lo, Hi[, Cand], dI); S a multiple of BQ."""
+    B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
+    M = BQ * H
+
+    @T.macro
+    def body(Q, K, W, Lo, Hi, Cand, dI, dQ, dW):
+        with T.Kernel(S // BQ, B, threads=threads) as (qb, bi):
+            q_s = T.alloc_shared([M, D], BF16)
+            k_s = T.alloc_shared([BN, D], BF16)
+            ds_s = T.alloc_shared([M, BN], BF16)
+            g_s = T.alloc_shared([BQ, BN], F32)
+            w_f = T.alloc_fragment([M], F32)
+            acc = T.alloc_fragment([M, BN], F32)
+            dwb = T.alloc_fragment([M, BN], F32)
+            dw_blk = T.alloc_fragment([M], F32)
+            dw_f = T.alloc_fragment([M], F32)
+            dq = T.alloc_fragment([M, D], F32)
+            lo_s = T.alloc_shared([BQ], I32)
+            hi_s = T.alloc_shared([BQ], I32)
+            jlo = T.alloc_var(I32)
+            jhi = T.alloc_var(I32)
+
+            q0 = qb * BQ
+            for m, d in T.Parallel(M, D):
+                q_s[m, d] = Q[bi, q0 + m // H, m % H, d]
+            for m in T.Parallel(M):
+                w_f[m] = T.Cast(F32, W[bi, q0 + m // H, m % H])
+            for t in T.Parallel(BQ):
+                lo_s[t] = Lo[bi, q0 + t]
+                hi_s[t] = Hi[bi, q0 + t]
+            T.clear(dq)
+            T.clear(dw_f)
+            jlo = N
+            jhi = 0
+            for t in T.serial(BQ):
+                if lo_s[t] < hi_s[t]:
+                    jlo = T.min(jlo, lo_s[t])
+                    jhi = T.max(jhi, hi_s[t])
+            for nb in T.serial(T.ceildiv(N, BN)):
+                j0 = nb * BN
+                if j0 < jhi and j0 + BN > jlo:
+                    for j, d in T.Parallel(BN, D):
+                        k_s[j, d] = T.if_then_else(j0 + j < N, K[bi, j0 + j, d], T.Cast(BF16, 0))
+                    for t, j in T.Parallel(BQ, BN):
+                        vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t]) and (j0 + j < N)
+                        if has_cand:
+                            vis = vis and (Cand[bi, q0 + t, T.min(j0 + j, N - 1)] != 0)
+                        g_s[t, j] = T.if_then_else(vis, T.Cast(F32, dI[bi, q0 + t, T.min(j0 + j, N - 1)]), 0.0)
+                    T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for m, j in T.Parallel(M, BN):
+                        dwb[m, j] = g_s[m // H, j] * T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0)
+                        ds_s[m, j] = T.if_then_else(T.Cast(F32, T.Cast(BF16, acc[m, j])) > 0,
+                                                    T.Cast(BF16, g_s[m // H, j] * w_f[m]), T.Cast(BF16, 0))
+                    T.reduce_sum(dwb, dw_blk, dim=1)
+                    for m in T.Parallel(M):
+                        dw_f[m] += dw_blk[m]
+                    T.gemm(ds_s, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
+            for m, d in T.Parallel(M, D):
+                dQ[bi, q0 + m // H, m % H, d] = T.Cast(BF16, dq[m, d])
+            for m in T.Parallel(M):
+                dW[bi, q0 + m // H, m % H] = dw_f[m]
+
+    if has_cand:
+        @T.prim_func
+        def index_score_bwd_q_cand(
+            Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
+            Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32), Cand: T.Tensor([B, S, N], "int8"),
+            dI: T.Tensor([B, S, N], BF16), dQ: T.Tensor([B, S, H, D], BF16), dW: T.Tensor([B, S, H], F32),
+        ):
+            body(Q, K, W, Lo, Hi, Cand, dI, dQ, dW)
+        return compile_kernel(index_score_bwd_q_cand, out_idx=[7, 8])
+
+    @T.prim_func
+    def index_score_bwd_q(
+        Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
+        Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32),
+        dI: T.Tensor([B, S, N], BF16), dQ: T.Tensor([B, S, H, D], BF16), dW: T.Tensor([B, S, H], F32),
+    ):
+        body(Q, K, W, Lo, Hi, None, dI, dQ, dW)
+    return compile_kernel(index_score_bwd_q, out_idx=[6, 7])
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_k_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = False, threads: int = 256):
+    """dK [B, N, D] fp32 += bwd_k(Q, K, W, Lo, Hi[, Cand], dI, Split [P]); grid (N/BN, P, B): CTA (nb, p)
+    takes query blocks p, p + P, ... and adds its partial dk with fp32 atomics (dK zeroed by the caller)."""
+    B, S, N, P = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("P")
+    M = BQ * H
+
+    @T.macro
+    def body(Q, K, W, Lo, Hi, Cand, dI, Split, dK):
+        with T.Kernel(T.ceildiv(N, BN), P, B, threads=threads) as (nb, p, bi):
+            q_s = T.alloc_shared([M, D], BF16)
+            k_s = T.alloc_shared([BN, D], BF16)
+            ds_s = T.alloc_shared([BN, M], BF16)
+            g_s = T.alloc_shared([BQ, BN], F32)
+            w_s = T.alloc_shared([M], F32)
+            acc = T.alloc_fragment([BN, M], F32)
+            dk = T.alloc_fragment([BN, D], F32)
+            lo_s = T.alloc_shared([BQ], I32)
+            hi_s = T.alloc_shared([BQ], I32)
+            hit = T.alloc_var(I32)
+
+            j0 = nb * BN
+            for j, d in T.Parallel(BN, D):
+                k_s[j, d] = T.if_then_else(j0 + j < N, K[bi, j0 + j, d], T.Cast(BF16, 0))
+            T.clear(dk)
+            for i in T.serial(T.ceildiv(S // BQ, P)):
+                qb = p + i * P
+                if qb < S // BQ:
+                    q0 = qb * BQ
+                    for t in T.Parallel(BQ):
+                        lo_s[t] = Lo[bi, q0 + t]
+                        hi_s[t] = Hi[bi, q0 + t]
+                    hit = 0
+                    for t in T.serial(BQ):
+                        if lo_s[t] < hi_s[t] and lo_s[t] < j0 + BN and hi_s[t] > j0:
+                            hit = 1
+                    if hit == 1:
+                        for m, d in T.Parallel(M, D):
+                            q_s[m, d] = Q[bi, q0 + m // H, m % H, d]
+                        for m in T.Parallel(M):
+                            w_s[m] = T.Cast(F32, W[bi, q0 + m // H, m % H])
+                        for t, j in T.Parallel(BQ, BN):
+                            vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t]) and (j0 + j < N)
+                            if has_cand:
+                                vis = vis and (Cand[bi, q0 + t, T.min(j0 + j, N - 1)] != 0)
+                            g_s[t, j] = T.if_then_else(vis, T.Cast(F32, dI[bi, q0 + t, T.min(j0 + j, N - 1)]), 0.0)
+                        T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        for j, m in T.Parallel(BN, M):
+                            ds_s[j, m] = T.if_then_else(T.Cast(F32, T.Cast(BF16, acc[j, m])) > 0,
+                                                        T.Cast(BF16, g_s[m // H, j] * w_s[m]), T.Cast(BF16, 0))
+                        T.gemm(ds_s, q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+            for j, d in T.Parallel(BN, D):
+                if j0 + j < N:
+                    T.atomic_add(dK[bi, j0 + j, d], dk[j, d])
+
+    if has_cand:
+        @T.prim_func
+        def index_score_bwd_k_cand(
+            Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
+            Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32), Cand: T.Tensor([B, S, N], "int8"),
+            dI: T.Tensor([B, S, N], BF16), Split: T.Tensor([P], I32), dK: T.Tensor([B, N, D], F32),
+        ):
+            body(Q, K, W, Lo, Hi, Cand, dI, Split, dK)
+        return compile_kernel(index_score_bwd_k_cand)
+
+    @T.prim_func
+    def index_score_bwd_k(
+        Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
+        Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32),
+        dI: T.Tensor([B, S, N], BF16), Split: T.Tensor([P], I32), dK: T.Tensor([B, N, D], F32),
+    ):
+        body(Q, K, W, Lo, Hi, None, dI, Split, dK)
+    return compile_kernel(index_score_bwd_k)
+
+
 # ----------------------------------------------------------------------------- launch helpers
 SCORE_CFG = dict(BQ=4, BN=128, threads=256)
 TOPK_THREADS = 512
@@ -288,13 +453,54 @@ def _plain(t):
     return t
 
 
-def _score_bwd(q, k, w, lo, hi, cand, dI):
-    """dq, dk, dw by autograd of the torch reference on recomputed scores (a fused kernel is next)."""
-    from ..reference_indexer import index_scores as ref
-    with torch.enable_grad():
-        qd, kd, wd = (t.detach().requires_grad_(True) for t in (q, k, w))
-        out = ref(qd, kd, wd, lo, hi, cand)
-        return torch.autograd.grad(out, (qd, kd, wd), dI)
+BWD_CFG = dict(BQ=4, BN=64, threads=256)
+BWD_KERNEL = True       # False: dq, dk, dw by autograd of the torch reference on recomputed scores
+
+
+def _score_bwd_torch(q, k, w, lo, hi, cand, dI):
+    """The reference's autograd written out in torch ops (no autograd inside, so it also runs in a
+    torch.func transform's backward): dS = (dI * w) * (q.k > 0) with dI zero where the score is -inf."""
+    from ..reference_indexer import range_mask
+    vis = range_mask(lo, hi, k.shape[1])
+    if cand is not None:
+        vis = vis & cand
+    dI = dI.to(q.dtype).masked_fill(~vis, 0)[:, :, None, :]                      # [b, s, 1, n]
+    sc = torch.einsum("bshd,bnd->bshn", q, k)                                    # [b, s, Hi, n]
+    dw = (dI * sc.relu()).sum(-1)
+    ds = (dI * w[..., None]) * (sc > 0)
+    return torch.einsum("bshn,bnd->bshd", ds, k), torch.einsum("bshn,bshd->bnd", ds, q), dw
+
+
+def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
+    """dq, dk, dw of the scores: the two backward kernels (queries padded to BQ; padded rows see nothing)."""
+    if not BWD_KERNEL:
+        return _score_bwd_torch(q, k, w, lo, hi, cand, dI)
+    cfg = dict(BWD_CFG, **(cfg or {}))
+    b, s, H, D = q.shape
+    n = k.shape[1]
+    BQ, BN = cfg["BQ"], cfg["BN"]
+    sp = -(-s // BQ) * BQ
+    lo32, hi32 = lo.to(torch.int32), hi.to(torch.int32)
+    qp, wp, dIp, cp = q, w, dI.to(torch.bfloat16), cand
+    if sp != s:
+        pad = sp - s
+        F = torch.nn.functional
+        qp, wp = F.pad(q, (0, 0, 0, 0, 0, pad)), F.pad(w, (0, 0, 0, pad))
+        lo32, hi32 = F.pad(lo32, (0, pad)), F.pad(hi32, (0, pad))
+        dIp = F.pad(dIp, (0, 0, 0, pad))
+        cp = None if cand is None else F.pad(cand, (0, 0, 0, pad))
+    args = [qp.contiguous(), k.contiguous(), wp.contiguous(), lo32.contiguous(), hi32.contiguous()]
+    if cp is not None:
+        args.append(cp.contiguous().view(torch.int8))
+    args.append(dIp.contiguous())
+    dq, dw = bwd_q_kernel(H, D, has_cand=cp is not None, **cfg)(*args)
+    dk = torch.zeros(b, n, D, dtype=torch.float32, device=k.device)
+    nblk = -(-n // BN)
+    sms = torch.cuda.get_device_properties(k.device).multi_processor_count
+    P = max(1, min(sp // BQ, -(-2 * sms // max(1, nblk * b))))
+    split = torch.empty(P, dtype=torch.int32, device=k.device)
+    bwd_k_kernel(H, D, has_cand=cp is not None, **cfg)(*args, split, dk)
+    return dq[:, :s].to(q.dtype), dk.to(k.dtype), dw[:, :s].to(w.dtype)
 
 
 class _IndexScores(torch.autograd.Function):
