@@ -90,6 +90,85 @@ def test_sparse_attn_fwd_block128():
     assert nbad <= o.numel() * 1e-4, (nbad, mx)
 
 
+# --------------------------------------------------------------- forward kernels, each explicitly
+def _lse_ref(q, kv, sink, idx, scale, chunk=256):
+    """LSE in log2 units from fp32 logits: log2(sum_valid exp(scale q.kv) + exp(sink)) (chunked over M)."""
+    B, M, H, D = q.shape
+    out = []
+    bidx = torch.arange(B, device=q.device)[:, None, None]
+    for m0 in range(0, M, chunk):
+        ix = idx[:, m0:m0 + chunk].long()
+        kv_t = kv[bidx, ix.clamp_min(0)].float()                                      # [B, m, T, D]
+        s = torch.einsum("bmhd,bmtd->bmht", q[:, m0:m0 + chunk].float(), kv_t) * scale
+        s = s.masked_fill((ix < 0)[:, :, None, :], float("-inf"))
+        s = torch.cat([s, sink.float().expand(*s.shape[:3])[..., None]], -1)
+        out.append(torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0)))
+    return torch.cat(out, 1)
+
+
+def _check_fwd_impl(q, kv, sink, idx, scale, impl, block):
+    """sparse_attn_tl._fwd(impl, block) against reference.sparse_attn(block) (the same recurrence: the
+    warp-specialised kernel moves its running max once per pair of BI = block/2 slots): cosine diff
+    < 1e-4, <= 1e-4 of outputs beyond 2 bf16 ulps (only fp32 summation order and exp2 vs exp differ),
+    all-hole rows exactly 0; LSE (which the backward consumes) within 1e-3 of the fp32 truth."""
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    o, lse = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)
+    eff = 128 if (block == 128 and q.shape[2] % 64 == 0) else 64                      # as _fwd resolves it
+    ref = reference.sparse_attn(q, kv, sink, idx, scale, eff)
+    assert o.dtype == torch.bfloat16 and o.shape == ref.shape and lse.shape == q.shape[:3]
+    assert torch.isfinite(o.float()).all()
+    empty = (idx < 0).all(-1)                                                          # [B, M]
+    assert (o[empty] == 0).all()
+    cd = cosine_diff(o, ref)
+    nbad, mx = _close_bf16(o, ref)
+    lr = _lse_ref(q, kv, sink, idx, scale)
+    lerr = (lse - lr)[~empty].abs().max().item() if (~empty).any() else 0.0
+    print(f"FWDCHK {impl} block={block} {tuple(q.shape)} T={idx.shape[-1]}: cos diff {cd:.2e}, "
+          f"{nbad} beyond 2 ulps (max abs {mx:.2e}), lse max err {lerr:.2e}")
+    assert cd < 1e-4
+    assert nbad <= o.numel() * 1e-4, (nbad, mx)
+    assert not torch.isnan(lse).any() and lerr < 1e-3
+
+
+FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
+    (3, 37, 64, 256, 333, 130),     # B > 1, odd M, D = 256, T padded (to 192 / 256)
+    (1, 40, 64, 512, 500, 200),     # release width, T padded (to 256)
+]
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("impl", ["ws", "lockstep"])
+@pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_impl(shape, impl, block):
+    """Both forward kernels at every shape (H = 16 runs the lock-step kernel under either impl);
+    row M//2 all holes, row 1's first 100 slots holes (the max starts from -1e30 there)."""
+    _need_tilelang()
+    B, M, H, D, N, T = shape
+    q, kv, sink, idx = _attn_inputs(*shape, seed=11)
+    idx[-1, 1, :100] = -1
+    _check_fwd_impl(q, kv, sink, idx, D ** -0.5, impl, block)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("impl", ["ws", "lockstep"])
+def test_sparse_attn_fwd_impl_release(impl, block):
+    _need_tilelang()
+    M, H, D, n_comp = 4096, 64, 512, 2048
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
+    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(H, device=DEV, generator=g)
+    idx = _release_idx(M, M, n_comp)
+    _check_fwd_impl(q, kv, sink, idx, D ** -0.5, impl, block)
+
+
+def test_sparse_attn_fwd_ws_is_default():
+    """The release shape takes the warp-specialised kernel by default (sparse_attn_tl.FWD_DEFAULT)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    assert sa.FWD_DEFAULT == "ws" and sa.ws_fits(64, 512) and not sa.ws_fits(16, 64)
+
+
 def _grads(impl, q, kv, sink, idx, scale, do):
     q, kv, sink = (t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
     o = K.sparse_attn(q, kv, sink, idx, scale, impl=impl)

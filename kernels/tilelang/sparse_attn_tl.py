@@ -10,6 +10,11 @@ only. Exponentials are exp2 of log2e-scaled logits (same function, different rou
 bit). It also returns LSE = log2(l) + m in log2 units of the scaled logits, sink included, so
 P[h, t] = exp2(c * q_h.kv_t - LSE_h) with c = scale * log2(e).
 
+Two forward kernels (``_fwd`` picks, see FWD_DEFAULT): ``fwd_kernel``, one CTA per query whose two
+warpgroups gather, multiply and normalise in lock-step (any H multiple of 16); and ``fwd_kernel_ws``
+(H = 64), warp-specialised: a producer warpgroup gathers KV blocks into a ring of shared stages while
+two consumer warpgroups split each pair of blocks' QK and the output's D halves (its docstring).
+
 Backward (the release ships none): Delta_h = dO_h . O_h; recompute P from q, kv and LSE;
 dP = dO kv^T; dS = scale * P * (dP - Delta); dq = dS kv; dkv[idx_t] += dS^T q + P^T dO (fp32 atomics
 into a [B, N, D] fp32 buffer); dsink_h = -sum P_sink * Delta with P_sink = exp2(sink log2e - LSE).
@@ -110,6 +115,212 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
             T.copy(l_blk, Lse[bi, mi, h0:h0 + BH])
 
     return compile_kernel(sparse_attn_fwd, out_idx=[4, 5])
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: int = 4, early_qk: bool = True,
+                  nreg: tuple = (232, 40)):
+    """o, lse = fwd(q, kv, sink, idx), warp-specialised (384 threads); H == 64, TP a multiple of 2 * BI.
+
+    Roles. Warpgroup 2, the producer (``nreg[1]`` registers), loads Q once and then gathers the KV rows
+    of index block j into shared stage j % stages (cp.async, 16 bytes a thread, completion signalled
+    on mbarrier ``full``); it refills a stage once both consumers have released it (``empty``).
+    Consumer warpgroups 0 and 1 (``nreg[0]`` registers each) take the index blocks in pairs: consumer
+    w computes S = Q K^T for block 2i + w (full D, its own [64, BI] fp32 tile) and owns output columns
+    [w D/2, (w+1) D/2) (a [64, D/2] fp32 accumulator). Per pair the two exchange their row maxima
+    through shared memory, so both hold the same running max over the pair, write their bf16
+    probabilities to shared memory and both multiply P_0 V_0 + P_1 V_1 for their half of D: the
+    tensor work is balanced (one QK and two half-width PVs per consumer and pair).
+
+    Numerics: the recurrence of ``reference.sparse_attn(block=2 * BI)`` (the running max moves once
+    per pair of blocks; P rounded to bf16 against it); each consumer keeps the probability sum of its
+    own blocks under the same max and rescales, the two are added (with the sink) at the end.
+    LSE as ``fwd_kernel``. Holes (-1) gather row 0 (finite data, probability exactly 0).
+
+    Pipelining: with ``stages >= 4`` the next pair's blocks have their own stages, so the producer
+    gathers pair i+1 while pair i computes and (``early_qk``) each consumer issues the next QK right
+    behind its two PVs, keeping the tensor cores fed across the loop edge. Shared memory: Q 64 KB +
+    stages * BI * D * 2 bytes (<= 227 KB).
+    """
+    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
+    if H != 64:
+        raise ValueError("fwd_kernel_ws: H must be 64 (one warpgroup's WGMMA M)")
+    if D % 128 or D > 512:
+        raise ValueError("fwd_kernel_ws: D must be a multiple of 128, <= 512")
+    if TP % (2 * BI) or stages < 2 or BI % 16:
+        raise ValueError("fwd_kernel_ws: TP a multiple of 2*BI, stages >= 2, BI a multiple of 16")
+    if (H + stages * BI) * D * 2 + 2 * H * BI * 2 > 227 * 1024 - 2048:
+        raise ValueError("fwd_kernel_ws: shared memory over 227 KB")
+    NI = TP // BI
+    NP = NI // 2
+    NS = stages
+    early = bool(early_qk) and NS >= 4 and NP > 1      # the next pair must live in other stages
+    DH = D // 2
+    c = float(scale) * LOG2E
+    CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
+
+    @T.macro
+    def hole_bias(j, bias, Idx, bi, mi):
+        """bias[h, t] = 0 for a valid slot of block j, -inf for a hole (the QK accumulator's seed)."""
+        for h, t in T.Parallel(H, BI):
+            bias[h, t] = T.if_then_else(Idx[bi, mi, j * BI + t] >= 0, 0, -T.infinity(F32))
+
+    @T.macro
+    def issue_qk(j, acc_s, bias, q_s, kv_s, full):
+        """S = bias + Q K_j^T into acc_s; asynchronous (T.wait_wgmma)."""
+        T.copy(bias, acc_s)
+        T.barrier_wait(full[j % NS], (j // NS) % 2)
+        T.wgmma_gemm(q_s, kv_s[j % NS, :, :], acc_s, transpose_B=True)
+
+    @T.macro
+    def pair(i, w, last, acc_s, bias, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, mx_s, full, empty, bar_mx,
+             bar_p, Idx, bi, mi):
+        """Pair i for consumer w (with early_qk, S of block 2i + w is already in flight in acc_s)."""
+        j = 2 * i + w                       # my block
+        jp = 2 * i + 1 - w                  # the peer's block
+        if not early:
+            hole_bias(j, bias, Idx, bi, mi)
+            issue_qk(j, acc_s, bias, q_s, kv_s, full)
+        T.wait_wgmma(0)
+        if early and not last:
+            hole_bias(j + 2, bias, Idx, bi, mi)     # index loads in flight during the softmax
+        T.copy(m, mp)
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        T.copy(m, mx_s[w, :])
+        T.barrier_arrive(bar_mx[w])
+        T.barrier_wait(bar_mx[1 - w], i % 2)
+        for h in T.Parallel(H):
+            m[h] = T.max(m[h], mx_s[1 - w, h])
+        for h in T.Parallel(H):
+            a[h] = T.exp2((mp[h] - m[h]) * c)
+        for h, t in T.Parallel(H, BI):
+            acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
+        T.reduce_sum(acc_s, ls, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h] + ls[h]
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] *= a[h]
+        T.copy(acc_s, p_s[w, :, :])
+        T.fence_proxy_async()               # P: generic stores, read next by WGMMA (async proxy)
+        T.barrier_arrive(bar_p[w])
+        T.wgmma_gemm(p_s[w, :, :], kv_s[j % NS, :, w * DH:(w + 1) * DH], acc_o)
+        T.barrier_wait(bar_p[1 - w], i % 2)
+        T.barrier_wait(full[jp % NS], (jp // NS) % 2)
+        T.wgmma_gemm(p_s[1 - w, :, :], kv_s[jp % NS, :, w * DH:(w + 1) * DH], acc_o)
+        if early and not last:
+            issue_qk(j + 2, acc_s, bias, q_s, kv_s, full)
+            T.wait_wgmma(1)                 # both PVs done, the next QK may still run
+        else:
+            T.wait_wgmma(0)
+        T.barrier_arrive(empty[j % NS])
+        T.barrier_arrive(empty[jp % NS])
+
+    @T.macro
+    def consumer(w, acc_s, bias, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, mx_s, sum_s, bar_q, full, empty,
+                 bar_mx, bar_p, Idx, Sink, O, Lse, bi, mi):
+        """Consumer warpgroup w: blocks 2i + w, output columns [w DH, (w + 1) DH)."""
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        T.fill(m, -1e30)
+        T.barrier_wait(bar_q, 0)
+        if early:
+            hole_bias(w, bias, Idx, bi, mi)
+            issue_qk(w, acc_s, bias, q_s, kv_s, full)
+            for i in T.serial(NP - 1):
+                pair(i, w, False, acc_s, bias, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, mx_s, full, empty, bar_mx,
+                     bar_p, Idx, bi, mi)
+            pair(NP - 1, w, True, acc_s, bias, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, mx_s, full, empty, bar_mx,
+                 bar_p, Idx, bi, mi)
+        else:
+            for i in T.serial(NP):
+                pair(i, w, True, acc_s, bias, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, mx_s, full, empty, bar_mx,
+                     bar_p, Idx, bi, mi)
+        # the two probability sums (same max, same rescales) plus the sink; this exchange also
+        # tells each consumer that the other is past its last WGMMA on q_s
+        T.copy(l, sum_s[w, :])
+        T.barrier_arrive(bar_mx[w])
+        T.barrier_wait(bar_mx[1 - w], NP % 2)
+        for h in T.Parallel(H):
+            l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] /= l[h]
+        T.copy(acc_o, q_s[:, w * DH:(w + 1) * DH])
+        T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+        if w == 0:
+            for h in T.Parallel(H):
+                ls[h] = T.log2(l[h]) + m[h] * c
+            T.copy(ls, Lse[bi, mi, :])
+
+    @T.prim_func
+    def sparse_attn_fwd_ws(
+        Q: T.Tensor([B, M, H, D], BF16),
+        KV: T.Tensor([B, N, D], BF16),
+        Sink: T.Tensor([H], F32),
+        Idx: T.Tensor([B, M, TP], I32),
+        O: T.Tensor([B, M, H, D], BF16),
+        Lse: T.Tensor([B, M, H], F32),
+    ):
+        with T.Kernel(M, B, threads=384) as (mi, bi):
+            q_s = T.alloc_shared([H, D], BF16)
+            kv_s = T.alloc_shared([NS, BI, D], BF16)
+            p_s = T.alloc_shared([2, H, BI], BF16)
+            mx_s = T.alloc_shared([2, H], F32)
+            sum_s = T.alloc_shared([2, H], F32)
+
+            acc_s0 = T.alloc_fragment([H, BI], F32)
+            bias0 = T.alloc_fragment([H, BI], F32)
+            acc_o0 = T.alloc_fragment([H, DH], F32)
+            m0 = T.alloc_fragment([H], F32)
+            mp0 = T.alloc_fragment([H], F32)
+            l0 = T.alloc_fragment([H], F32)
+            ls0 = T.alloc_fragment([H], F32)
+            a0 = T.alloc_fragment([H], F32)
+            acc_s1 = T.alloc_fragment([H, BI], F32)
+            bias1 = T.alloc_fragment([H, BI], F32)
+            acc_o1 = T.alloc_fragment([H, DH], F32)
+            m1 = T.alloc_fragment([H], F32)
+            mp1 = T.alloc_fragment([H], F32)
+            l1 = T.alloc_fragment([H], F32)
+            ls1 = T.alloc_fragment([H], F32)
+            a1 = T.alloc_fragment([H], F32)
+
+            bar_q = T.alloc_barrier(arrive_count=128)
+            full = T.alloc_barrier(arrive_count=[128] * NS)
+            empty = T.alloc_barrier(arrive_count=[256] * NS)
+            bar_mx = T.alloc_barrier(arrive_count=[128, 128])
+            bar_p = T.alloc_barrier(arrive_count=[128, 128])
+
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(0, acc_s0, bias0, acc_o0, m0, mp0, l0, ls0, a0, q_s, kv_s, p_s, mx_s, sum_s, bar_q, full, empty,
+                         bar_mx, bar_p, Idx, Sink, O, Lse, bi, mi)
+            elif tx < 256:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(1, acc_s1, bias1, acc_o1, m1, mp1, l1, ls1, a1, q_s, kv_s, p_s, mx_s, sum_s, bar_q, full, empty,
+                         bar_mx, bar_p, Idx, Sink, O, Lse, bi, mi)
+            else:
+                T.set_max_nreg(nreg[1], 0)
+                tp = tx - 256
+                for r in T.unroll(H // 16):              # Q: 8 threads a row, 16 rows a pass
+                    for u in T.unroll(CPR):
+                        T.ptx_cp_async(
+                            T.access_ptr(q_s[r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
+                            T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
+                T.cp_async_barrier_noinc(bar_q)
+                for j in T.serial(NI):
+                    s = j % NS
+                    T.barrier_wait(empty[s], ((j // NS) % 2) ^ 1)
+                    for r in T.unroll(BI // 16):
+                        row = r * 16 + tp // 8
+                        src = T.max(Idx[bi, mi, j * BI + row], 0)
+                        for u in T.unroll(CPR):
+                            T.ptx_cp_async(
+                                T.access_ptr(kv_s[s, row, u * 64 + (tp % 8) * 8], "w", 8),
+                                T.access_ptr(KV[bi, src, u * 64 + (tp % 8) * 8], "r", 8), 8)
+                    T.cp_async_barrier_noinc(full[s])
+
+    return compile_kernel(sparse_attn_fwd_ws, out_idx=[4, 5])
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,14 +436,38 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
     return idx.contiguous()
 
 
-def _fwd(q, kv, sink, idx, scale, block: int = 64):
+# Forward kernel choice (explicit): "ws" = fwd_kernel_ws where ws_fits(H, D), else the lock-step
+# fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
+# (the softmax recurrence's block: the running max moves once per 2 * BI slots):
+FWD_DEFAULT = "ws"
+FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=True), 128: dict(BI=64, stages=2, early_qk=False)}
+
+
+def ws_fits(H: int, D: int) -> bool:
+    """fwd_kernel_ws's shapes: 64 heads (one warpgroup's WGMMA rows), D a multiple of 128 up to 512."""
+    return H == 64 and D % 128 == 0 and D <= 512
+
+
+def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     """block 64: the release's blocking, so the bf16 rounding of P matches the reference's; block 128
     (64-head multiples only): same math, P rounded against other running maxima (1-2 ulp apart on
-    ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape."""
+    ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape (lock-step kernel).
+
+    impl (default FWD_DEFAULT): "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
+    (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "lockstep"
+    always runs fwd_kernel."""
     B, M, H, D = q.shape
-    BI = 128 if (block == 128 and H % 64 == 0) else 64
-    idx = _pad_idx(idx, 128)
-    k = fwd_kernel(H, D, idx.shape[-1], float(scale), BI=BI, stages=1 if BI == 128 else 2)
+    impl = impl or FWD_DEFAULT
+    if impl not in ("ws", "lockstep"):
+        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'ws' or 'lockstep'")
+    block = 128 if (block == 128 and H % 64 == 0) else 64
+    if impl == "ws" and ws_fits(H, D):
+        cfg = FWD_WS_CFG[block]
+        idx = _pad_idx(idx, 2 * cfg["BI"])
+        k = fwd_kernel_ws(H, D, idx.shape[-1], float(scale), **cfg)
+    else:
+        idx = _pad_idx(idx, 128)
+        k = fwd_kernel(H, D, idx.shape[-1], float(scale), BI=block, stages=1 if block == 128 else 2)
     return tuple(k(q.contiguous(), kv.contiguous(), sink.float().contiguous(), idx))
 
 
