@@ -309,7 +309,10 @@ def test_sparse_attn_bwd_split_empty_row(split_bwd):
     assert torch.isfinite(ds).all() and torch.isfinite(dkv.float()).all() and torch.isfinite(dq.float()).all()
     assert (dq[0, 20] == 0).all()
     _, dq_t, dkv_t, _ = _grads("torch", q.float(), kv.float(), sink, idx, scale, do.float())
-    assert cosine_diff(dq, dq_t) < 1e-4 and cosine_diff(dkv, dkv_t) < 1e-4
+    _, dq_r, dkv_r, _ = _grads("torch", q, kv, sink, idx, scale, do)
+    for name, a, r, t in (("dq", dq, dq_r, dq_t), ("dkv", dkv, dkv_r, dkv_t)):
+        cd, cd_ref = cosine_diff(a, t), cosine_diff(r, t)
+        assert cd < max(1e-4, 1.5 * cd_ref), f"{name}: cosine diff {cd:.2e} (reference's own {cd_ref:.2e})"
     split_bwd.BWD_IMPL = "atomic"
     _, _, _, ds_a = _grads("tilelang", q, kv, sink, idx, scale, do)
     assert torch.equal(ds, ds_a)
