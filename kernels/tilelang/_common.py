@@ -11,6 +11,8 @@ import os
 import tilelang
 import tilelang.language as T  # noqa: F401  (re-exported for the kernel modules)
 
+from .. import Unsupported  # noqa: F401  (raised by the ops for inputs their tiles do not cover)
+
 LOG2E = 1.4426950408889634
 
 

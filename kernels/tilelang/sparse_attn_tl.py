@@ -34,7 +34,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from ._common import LOG2E, compile_kernel
+from ._common import LOG2E, Unsupported, compile_kernel
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
 
@@ -554,5 +554,11 @@ class _SparseAttn(torch.autograd.Function):
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
                 softmax_scale: float, block: int = 64) -> torch.Tensor:
-    """Same contract as ``reference.sparse_attn``; ``block`` 64 (the release's) or 128 (faster, see _fwd)."""
+    """Same contract as ``reference.sparse_attn``; ``block`` 64 (the release's) or 128 (faster, see _fwd).
+    Raises ``Unsupported`` (impl="auto" then runs the torch reference) for non-bf16 q/kv or a head count
+    that is not a multiple of 16 (the tiles' M)."""
+    H = q.shape[-2]
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or H % 16 or (H > 64 and H % 64):
+        raise Unsupported(f"sparse_attn (tilelang): bf16 q/kv with heads a multiple of 16 (<= 64) or of 64, "
+                          f"got {q.dtype}/{kv.dtype} with {H} heads")
     return _SparseAttn.apply(q, kv, attn_sink, topk_idxs, float(softmax_scale), int(block))[0]
