@@ -119,8 +119,9 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
                                  qdq=qdq, cand=cand, impl=impl)
             if L == cfg.candidate_source_layer:
                 nb = None if chunk.packed else -(-score.shape[-1] // cfg.candidate_block_size)
-                shared = shared.replace(candidates=candidate_mask(score, visible, shared.blocks[src], cfg=cfg,
-                                                                  n_blocks=nb, impl=impl))
+                blk = shared.blocks[src] if chunk.packed else cfg.candidate_block_size   # plain rows: j // size
+                shared = shared.replace(candidates=candidate_mask(score, visible, blk, cfg=cfg, n_blocks=nb,
+                                                                  impl=impl))
                 if debug is not None:
                     debug["candidates"] = shared.candidates
             student = score

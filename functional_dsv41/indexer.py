@@ -106,7 +106,8 @@ def candidate_mask(score: torch.Tensor, visible, blocks: torch.Tensor, *, cfg: C
     """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of entries in the chosen blocks
     (``kernels.index_candidates``).
 
-    visible = (lo, hi) [b, s]; blocks [b, n]: block id of each entry (``entry_blocks``); ``n_blocks``:
+    visible = (lo, hi) [b, s]; blocks [b, n]: block id of each entry (``entry_blocks``), or the int block
+    size on plain rows (block of entry j = j // size: what ``entry_blocks`` gives there); ``n_blocks``:
     how many there are, when the caller knows it without reading the tensor (plain rows:
     ceil(n / block size); no host sync). Block score = max of its entries' scores (-inf where none is
     visible); the block of the query's newest visible entry is forced in; the top
@@ -116,5 +117,8 @@ def candidate_mask(score: torch.Tensor, visible, blocks: torch.Tensor, *, cfg: C
     lo, hi = visible
     if n == 0:
         return torch.zeros(score.shape, dtype=torch.bool, device=score.device)
-    nb = n_blocks if n_blocks is not None else int(blocks.max()) + 1
+    if n_blocks is not None:
+        nb = n_blocks
+    else:
+        nb = -(-n // blocks) if isinstance(blocks, int) else int(blocks.max()) + 1
     return kernels.index_candidates(score, lo, hi, blocks, nb, cfg.candidate_topk_blocks, impl=impl)

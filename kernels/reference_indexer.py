@@ -73,8 +73,8 @@ def index_candidates(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bl
                      n_blocks: int, topk_blocks: int) -> torch.Tensor:
     """Level-1 selection: [b, s, n] scores -> [b, s, n] bool mask of the entries in the chosen blocks.
 
-    blocks [b, n] int64: block id of each entry (``indexer.entry_blocks``; j // block_size on a plain
-    row), n_blocks: how many ids there are. Block score = max of its entries' scores (fp32; -inf
+    blocks [b, n] int64: block id of each entry (``indexer.entry_blocks``), or an int block size for
+    plain rows (block of entry j = j // size); n_blocks: how many ids there are. Block score = max of its entries' scores (fp32; -inf
     where none is visible); the block of the query's newest visible entry (hi - 1, when hi > lo) is
     forced in (+inf); the top ``topk_blocks`` blocks with a finite score are kept (ties to the lower
     block id, ``topk_first``).
@@ -82,6 +82,8 @@ def index_candidates(score: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bl
     b, s, n = score.shape
     if n == 0:
         return torch.zeros(b, s, 0, dtype=torch.bool, device=score.device)
+    if isinstance(blocks, int):
+        blocks = (torch.arange(n, device=score.device) // blocks).expand(b, n)
     nb = n_blocks
     idx = blocks[:, None, :].expand(b, s, n)
     block = torch.full((b, s, nb), float("-inf"), device=score.device)

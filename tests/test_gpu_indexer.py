@@ -106,19 +106,22 @@ def test_index_topk_on_reference_scores_release():
     assert torch.equal(K.index_topk(ref_scores, 512, impl="tilelang"), K.index_topk(ref_scores, 512, impl="torch"))
 
 
-def test_index_candidates_exact():
+@pytest.mark.parametrize("bsn", [(2, 40, 333), (1, 16, 20000)], ids=lambda s: "x".join(map(str, s)))
+def test_index_candidates_exact(bsn):
+    """Plain rows (int block size, the kernel path) against the reference with entry_blocks' tensor:
+    ties, -0/+0, -inf holes, empty rows; n = 20000 has 2500 blocks, so 2048 is a real selection."""
     need_tilelang()
-    b, s, n = 2, 40, 333
+    b, s, n = bsn
     x = _tied_scores(b, s, n, seed=7)
     t = torch.arange(s, device=DEV)
     hi = (t * n // s).expand(b, s).contiguous()
-    lo = torch.zeros_like(hi)
+    lo = (hi // 3).contiguous()
     blocks = (torch.arange(n, device=DEV) // 8).expand(b, n).contiguous()
     nb = -(-n // 8)
-    for tb in (3, 16, 100):
-        out = K.index_candidates(x, lo, hi, blocks, nb, tb, impl="tilelang")
+    for tb in (3, 16, 2048):
+        out = K.index_candidates(x, lo, hi, 8, nb, tb, impl="tilelang")
         ref = K.index_candidates(x, lo, hi, blocks, nb, tb, impl="torch")
-        assert torch.equal(out, ref)
+        assert torch.equal(out, ref), tb
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 300, 32, 128), (1, 512, 128, 32, 128)], ids=lambda s: "x".join(map(str, s)))

@@ -172,3 +172,18 @@ def test_scores_gradient_matches_old_code():
     g2 = torch.autograd.grad(old, (q, k, w), g.masked_fill(~visible, 0))
     for a, c in zip(g1, g2):
         assert torch.equal(a, c)
+
+
+def test_candidates_int_block_size_is_plain_rows():
+    """blocks as an int block size (plain rows, what the model passes) = entry_blocks' tensor there."""
+    cfg = Config.tiny(candidate_block_size=4)
+    end, seg, group, pos_abs, seg_start = _packed_layout([[41], [41]], 1)
+    lo, hi = visible_range(end, seg, pos_abs, seg_start)
+    q, k, w = _qkw(2, 41, end.shape[1], seed=9, ties=True)
+    score = K.index_scores(q, k, w, lo, hi, impl="torch")
+    blocks = entry_blocks(group, seg, cfg=cfg)
+    assert torch.equal(blocks, (torch.arange(end.shape[1]) // 4).expand_as(blocks))
+    nb = -(-end.shape[1] // 4)
+    for tb in (1, 3, 16):
+        assert torch.equal(K.index_candidates(score, lo, hi, 4, nb, tb, impl="torch"),
+                           K.index_candidates(score, lo, hi, blocks, nb, tb, impl="torch"))

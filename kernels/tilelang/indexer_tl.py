@@ -15,6 +15,9 @@ to K* still needed, then an ordered compaction (per-thread contiguous segments +
 entries > K* and the first r entries == K* in index order. Output is therefore ascending, exactly the
 reference's set (ties to the lower index), -1 padding after min(k, #finite) entries.
 
+Candidate blocks (level 1) on plain rows: block maxima (torch amax, exact), the newest visible block
+forced to +inf, and the same top-k kernel over the block scores (``index_candidates``).
+
 Backward of the scores (``dq, dk, dw``): two kernels that recompute q.k per block (no [s, Hi, n]
 tensor): dq and dw per query block in registers, dk per entry block with the query blocks split over
 P CTAs and fp32 atomics (``BWD_KERNEL = False`` uses autograd of the torch reference instead).
@@ -548,7 +551,26 @@ def index_topk(score, k, threads=None):
     return idx[:, :kk].long().reshape(lead + (kk,))
 
 
-def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks):
-    """Level-1 candidate blocks: the torch reference's ops on the GPU for now (no TileLang kernel yet)."""
-    from ..reference_indexer import index_candidates as ref
-    return ref(score, lo, hi, blocks, n_blocks, topk_blocks)
+def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None):
+    """Level-1 candidate blocks. Plain rows (``blocks`` an int block size): block maxima by a torch amax
+    (exact: a max of bf16 values), the newest visible entry's block set to +inf, then the top-k kernel
+    over the [b*s, n_blocks] block scores (same exact rule: ties to the lower block id, -inf never
+    kept), expanded back to entries. Packed rows (a [b, n] block-id tensor): the torch reference."""
+    b, s, n = score.shape
+    if not isinstance(blocks, int) or score.dtype != torch.bfloat16 or n == 0:
+        from ..reference_indexer import index_candidates as ref
+        return ref(score, lo, hi, blocks, n_blocks, topk_blocks)
+    B, nb = blocks, n_blocks
+    x = score
+    if nb * B != n:
+        x = torch.nn.functional.pad(x, (0, nb * B - n), value=float("-inf"))
+    bs = x.view(b, s, nb, B).amax(-1)                                            # [b, s, nb] bf16
+    has = hi > lo
+    fb = torch.where(has, hi - 1, 0) // B
+    forced = torch.nn.functional.one_hot(fb, nb).bool() & has[..., None]
+    bs = bs.masked_fill(forced, float("inf")).reshape(b * s, nb).contiguous()
+    kb = min(topk_blocks, nb)
+    idx = topk_kernel(int(topk_blocks), threads or TOPK_THREADS)(bs)[:, :kb].long()
+    keep = torch.zeros(b * s, nb + 1, dtype=torch.bool, device=score.device)
+    keep.scatter_(1, torch.where(idx >= 0, idx, nb), True)
+    return keep[:, :nb].view(b, s, nb).repeat_interleave(B, -1)[..., :n]
