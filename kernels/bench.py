@@ -177,7 +177,7 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
             results.append(row("  of which the dq kernel (writes P, dS)",
                                bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
             kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
-                               ws=k["dkv_ws"])
+                               ws=k["dkv_ws"], pad=k["dkv_pad"])
             dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
             results.append(row("  of which the dkv kernel (atomics x4)",
                                bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
@@ -459,7 +459,7 @@ def main(argv=None):
     args.attn_fwd_cfgs = [dict(kernel="ws", BI=32, stages=4, early_qk=False), dict(kernel="ws", BI=32, stages=4, nreg=(224, 56)),
                           dict(kernel="ws", BI=16, stages=8), dict(kernel="ws", BI=48, stages=3, early_qk=False)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
-    args.attn_bwd_split_cfgs = [{}, dict(dkv_ws=True), dict(DC=256), dict(dkv_threads=256),
+    args.attn_bwd_split_cfgs = [{}, dict(dkv_pad=0), dict(dkv_ws=True), dict(DC=256), dict(dkv_threads=256),
                                 dict(DC=256, dkv_threads=256), dict(dkv_stages=3), dict(dq_stages=0),
                                 dict(dq_threads=512), dict(dq_threads=512, dq_stages=0),
                                 dict(dkv_BI=128, DC=64), dict(dkv_BI=128, DC=128, dkv_stages=1),

@@ -115,7 +115,7 @@ def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int =
 
 @functools.lru_cache(maxsize=None)
 def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int = 2, threads: int = 128,
-               ws: bool = False):
+               ws: bool = False, pad: int = 8):
     """dkv_kernel(q, do, idx, P, dS, dkv_acc): dkv_acc (fp32 [B, N, D]) += dS^T q + P^T dO per used row.
 
     One CTA per (D chunk, query, batch); the chunk index runs fastest so the D/DC CTAs of one query
@@ -123,7 +123,10 @@ def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int
     ws=False (default) turns TileLang's automatic warp specialisation off: with it, a TMA producer
     warpgroup is added and launch_bounds(256) reserves 168+ registers a thread, one CTA per SM; without
     it, DC=128 / 128 threads needs ~100 registers and 96 KB of shared memory, two CTAs per SM, so one
-    CTA's atomics drain while the other runs its GEMMs."""
+    CTA's atomics drain while the other runs its GEMMs.
+    pad: extra fp32 columns of the staging tile's rows. The accumulator fragment is stored as float2
+    per thread, 8 rows per warp; with a 128-float (512 B) row stride those 8 rows fall on the same
+    banks (8-way conflicts on 32 KB of stores per block); 8 floats of padding spread them."""
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     NI = TP // BI
     if D % DC or DC % 4:
@@ -143,7 +146,7 @@ def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int
             do_s = T.alloc_shared([H, DC], BF16)
             p_s = T.alloc_shared([H, BI], BF16)
             ds_s = T.alloc_shared([H, BI], BF16)
-            stage = T.alloc_shared([BI, DC], F32)
+            stage = T.alloc_shared([BI, DC + pad], F32)
             acc = T.alloc_fragment([BI, DC], F32)
 
             d0 = dc * DC
@@ -154,7 +157,7 @@ def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int
                 T.copy(dS[bi, mi, :, it * BI:(it + 1) * BI], ds_s)
                 T.gemm(ds_s, q_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
                 T.gemm(p_s, do_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(acc, stage)
+                T.copy(acc, stage[:, 0:DC])
                 for t, j in T.Parallel(BI, DC // 4):
                     if Idx[bi, mi, it * BI + t] >= 0:
                         T.atomic_addx4(dKV[bi, Idx[bi, mi, it * BI + t], d0 + j * 4], stage[t, j * 4])
@@ -166,7 +169,8 @@ def dkv_kernel(H: int, D: int, TP: int, BI: int = 64, DC: int = 128, stages: int
 # ----------------------------------------------------------------------------- launch helpers
 # BI: the dq kernel's index block; dkv_BI: the dkv kernel's (its GEMM M; it reads P / dS back from
 # global memory, so the two need not match; both must divide 128, the padding of idx).
-DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, dkv_BI=64, DC=128, dkv_stages=2, dkv_threads=128, dkv_ws=False)
+DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, dkv_BI=64, DC=128, dkv_stages=2, dkv_threads=128, dkv_ws=False,
+                   dkv_pad=8)
 
 
 def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, parts: dict | None = None):
@@ -185,7 +189,7 @@ def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, part
                           threads=k["dq_threads"])(q, kv, do, idx, lse, delta)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     dkv_kernel(H, D, TP, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
-               ws=k["dkv_ws"])(q, do, idx, p, ds, dkv)
+               ws=k["dkv_ws"], pad=k["dkv_pad"])(q, do, idx, p, ds, dkv)
     p_sink = torch.exp2(sink.float() * LOG2E - lse)              # [B, M, H]
     dsink = -(p_sink * delta).sum((0, 1))
     if parts is not None:
