@@ -1,26 +1,34 @@
 """Lightning indexer (SPEC §5) in TileLang for Hopper: fused scoring + visibility mask, exact top-k.
 
 Scoring, ``I[b, t, j] = sum_h w[b, t, h] * ReLU(q[b, t, h] . k[b, j])`` over the visible range
-``lo[b, t] <= j < hi[b, t]`` (and the candidate mask of level 2), -inf elsewhere. One CTA per
-(BQ queries, batch row): the BQ*Hi (query, head) rows are the GEMM's M (BQ=4, Hi=32 -> 128), an entry
-block of BN rows its N, Di its K. Entry blocks that lie wholly outside every query's range of the CTA
-skip the GEMM and only store -inf (causal prefill: about half of them). Per block, as the reference
-rounds: each dot product (fp32 accumulate) -> bf16, ReLU, times w -> bf16, then the sum over the Hi
-heads in fp32 (through shared memory, heads in order) -> bf16. The fp32 sum order is the only
-difference from torch (<= 1 bf16 ulp on a few outputs).
+``lo[b, t] <= j < hi[b, t]`` (and the candidate mask of level 2), -inf elsewhere. Grid (query blocks
+of BQ, entry chunks C, batch): the BQ*Hi (query, head) rows are the GEMM's M (BQ=4, Hi=32 -> 128), an
+entry block of BN rows its N, Di its K. C = 1 when the query blocks fill the GPU (release prefill:
+1024 CTAs); few queries on long rows (64 x 16K, 16 x 64K entries) split the row into chunks so that
+about 2 waves of CTAs run (run 9: with C = 1 those rows ran 4-16 CTAs, 5-20 TFLOP/s). Inside a CTA
+the entry blocks that meet its queries' ranges run a T.Pipelined loop (TileLang makes it a TMA
+producer warp group + mbarriers, so the next K block loads during this block's GEMM and head sum);
+blocks wholly outside every range (causal prefill: about half) only store -inf. Per block, as the
+reference rounds: each dot product (fp32 accumulate) -> bf16, ReLU, times w -> bf16, then the sum
+over the Hi heads in fp32 (through shared memory, heads in order) -> bf16. The fp32 sum order is the
+only difference from torch (<= 1 bf16 ulp on a few outputs); chunks and stages do not change it.
 
 Top-k, per row: 16-bit order-preserving keys of the bf16 scores (-0 ties with +0, -inf never
 selected), a two-pass 8-bit radix select for the threshold key K* and the number r of entries equal
 to K* still needed, then an ordered compaction (per-thread contiguous segments + a block scan):
 entries > K* and the first r entries == K* in index order. Output is therefore ascending, exactly the
-reference's set (ties to the lower index), -1 padding after min(k, #finite) entries.
+reference's set (ties to the lower index), -1 padding after min(k, #finite) entries. One CTA per row;
+its thread count follows the row count and length (``_topk_threads``, from run 9's sweep).
 
-Candidate blocks (level 1) on plain rows: block maxima (torch amax, exact), the newest visible block
-forced to +inf, and the same top-k kernel over the block scores (``index_candidates``).
+Candidate blocks (level 1), plain and packed rows: block maxima (torch amax / scatter amax, exact),
+the newest visible block forced to +inf, and the same top-k kernel over the block scores
+(``index_candidates``).
 
 Backward of the scores (``dq, dk, dw``): two kernels that recompute q.k per block (no [s, Hi, n]
-tensor): dq and dw per query block in registers, dk per entry block with the query blocks split over
-P CTAs and fp32 atomics (``BWD_KERNEL = False`` uses autograd of the torch reference instead).
+tensor): dq and dw per query block in registers (pipelined K loads; on few-query long rows split over
+entry chunks like the scoring, partial dq / dw added with fp32 atomics), dk per entry block with the
+query blocks split over P CTAs and fp32 atomics (``BWD_KERNEL = False`` uses autograd of the torch
+reference instead).
 """
 
 import functools
@@ -35,16 +43,24 @@ BF16, F32, I32 = "bfloat16", "float32", "int32"
 
 # ----------------------------------------------------------------------------- scoring
 @functools.lru_cache(maxsize=None)
-def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = False, threads: int = 256):
-    """O = score(Q [B, S, H, D], K [B, N, D], W [B, S, H], Lo [B, S], Hi [B, S][, Cand [B, S, N] int8]).
+def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = False, threads: int = 256,
+                 stages: int = 2):
+    """O = score(Q [B, S, H, D], K [B, N, D], W [B, S, H], Lo [B, S], Hi [B, S][, Cand [B, S, N] int8],
+    Chunk [C]).
 
-    S a multiple of BQ (the launcher pads queries); N any (tails guarded)."""
-    B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
+    Grid (S/BQ, C, B): CTA (qb, c) owns the entry blocks [c*per, (c+1)*per), per = ceil(ceil(N/BN)/C)
+    (only Chunk's length C is read: the launcher picks C so that few-query, long rows still fill the
+    GPU; C = 1 is one CTA per query block over the whole row). Inside, the blocks that intersect the
+    union of the BQ queries' ranges run a T.Pipelined loop (``stages`` K buffers, cp.async, so the
+    next block's K load overlaps this block's GEMM and head sum); the others only store -inf. S a
+    multiple of BQ (the launcher pads queries); N any (tails guarded). Per-output rounding is the
+    same whatever C and stages are: the chunks split entries, never the head sum."""
+    B, S, N, C = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("C")
     M = BQ * H
 
     @T.macro
     def body(Q, K, W, Lo, Hi, Cand, O):
-        with T.Kernel(S // BQ, B, threads=threads) as (qb, bi):
+        with T.Kernel(S // BQ, C, B, threads=threads) as (qb, c, bi):
             q_s = T.alloc_shared([M, D], BF16)
             k_s = T.alloc_shared([BN, D], BF16)
             r_s = T.alloc_shared([M, BN], F32)
@@ -54,7 +70,13 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
             hi_s = T.alloc_shared([BQ], I32)
             jlo = T.alloc_var(I32)
             jhi = T.alloc_var(I32)
+            v_lo = T.alloc_var(I32)
+            v_hi = T.alloc_var(I32)
 
+            nblk = T.ceildiv(N, BN)
+            per = T.ceildiv(nblk, C)
+            b_lo = c * per
+            b_hi = T.min(b_lo + per, nblk)
             q0 = qb * BQ
             for m, d in T.Parallel(M, D):
                 q_s[m, d] = Q[bi, q0 + m // H, m % H, d]
@@ -69,48 +91,52 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
                 if lo_s[t] < hi_s[t]:
                     jlo = T.min(jlo, lo_s[t])
                     jhi = T.max(jhi, hi_s[t])
+            # entry blocks of this chunk that intersect [jlo, jhi): [v_lo, v_hi) (empty when jhi <= jlo)
+            v_lo = T.max(b_lo, jlo // BN)
+            v_hi = T.min(b_hi, T.ceildiv(jhi, BN))
+            v_hi = T.max(v_hi, v_lo)
 
-            for nb in T.serial(T.ceildiv(N, BN)):
-                j0 = nb * BN
-                if j0 < jhi and j0 + BN > jlo:
-                    for j, d in T.Parallel(BN, D):
-                        k_s[j, d] = T.if_then_else(j0 + j < N, K[bi, j0 + j, d], T.Cast(BF16, 0))
-                    T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for m, j in T.Parallel(M, BN):
-                        r_s[m, j] = T.Cast(F32, T.Cast(BF16, T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0) * w_f[m]))
+            for i in T.Pipelined(v_hi - v_lo, num_stages=stages):
+                j0 = (v_lo + i) * BN
+                T.copy(K[bi, j0:j0 + BN, :], k_s)
+                T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for m, j in T.Parallel(M, BN):
+                    r_s[m, j] = T.Cast(F32, T.Cast(BF16, T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0) * w_f[m]))
+                for t, j in T.Parallel(BQ, BN):
+                    if j0 + j < N:
+                        acc_t = T.alloc_var(F32)
+                        acc_t = 0.0
+                        for h in T.serial(H):
+                            acc_t += r_s[t * H + h, j]
+                        vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t])
+                        if has_cand:
+                            vis = vis and (Cand[bi, q0 + t, j0 + j] != 0)
+                        O[bi, q0 + t, j0 + j] = T.if_then_else(vis, T.Cast(BF16, acc_t), -T.infinity(BF16))
+            for e in T.serial(per):
+                nb = b_lo + e
+                if nb < b_hi and (nb < v_lo or nb >= v_hi):
                     for t, j in T.Parallel(BQ, BN):
-                        if j0 + j < N:
-                            acc_t = T.alloc_var(F32)
-                            acc_t = 0.0
-                            for h in T.serial(H):
-                                acc_t += r_s[t * H + h, j]
-                            vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t])
-                            if has_cand:
-                                vis = vis and (Cand[bi, q0 + t, j0 + j] != 0)
-                            O[bi, q0 + t, j0 + j] = T.if_then_else(vis, T.Cast(BF16, acc_t), -T.infinity(BF16))
-                else:
-                    for t, j in T.Parallel(BQ, BN):
-                        if j0 + j < N:
-                            O[bi, q0 + t, j0 + j] = -T.infinity(BF16)
+                        if nb * BN + j < N:
+                            O[bi, q0 + t, nb * BN + j] = -T.infinity(BF16)
 
     if has_cand:
         @T.prim_func
         def index_score_cand(
             Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
             Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32), Cand: T.Tensor([B, S, N], "int8"),
-            O: T.Tensor([B, S, N], BF16),
+            Chunk: T.Tensor([C], I32), O: T.Tensor([B, S, N], BF16),
         ):
             body(Q, K, W, Lo, Hi, Cand, O)
-        return compile_kernel(index_score_cand, out_idx=[6])
+        return compile_kernel(index_score_cand, out_idx=[7])
 
     @T.prim_func
     def index_score(
         Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
-        Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32),
+        Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32), Chunk: T.Tensor([C], I32),
         O: T.Tensor([B, S, N], BF16),
     ):
         body(Q, K, W, Lo, Hi, None, O)
-    return compile_kernel(index_score, out_idx=[5])
+    return compile_kernel(index_score, out_idx=[6])
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -262,14 +288,22 @@ def topk_kernel(KT: int, threads: int = 512):
 # q.k is recomputed per block (no [s, Hi, n] tensor). Two kernels: one over query blocks (dq, dw, in
 # registers), one over entry blocks (dk in registers, query blocks split over P CTAs + fp32 atomics).
 @functools.lru_cache(maxsize=None)
-def bwd_q_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = False, threads: int = 256):
-    """dQ [B, S, H, D] bf16, dW [B, S, H] fp32 = bwd_q(Q, K, W, Lo, Hi[, Cand], dI); S a multiple of BQ."""
-    B, S, N = T.dynamic("B"), T.dynamic("S"), T.dynamic("N")
+def bwd_q_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = False, threads: int = 256,
+                 split: bool = False, stages: int = 0):
+    """dQ [B, S, H, D], dW [B, S, H] fp32 = bwd_q(Q, K, W, Lo, Hi[, Cand], dI, Chunk [C]); S a multiple of BQ.
+
+    Grid (S/BQ, C, B): CTA (qb, c) takes the entry blocks [c*per, (c+1)*per) (as the scoring kernel)
+    that intersect its queries' ranges, in a T.Pipelined loop of ``stages`` buffers. ``split=False``:
+    C must be 1, dQ is bf16 and both outputs are written (fp32 sum over the row in block order, as
+    before). ``split=True`` (few queries, long rows): dQ and dW are fp32 buffers zeroed by the caller
+    and each chunk's partial sums are added with fp32 atomics (the caller rounds dQ to bf16); the
+    order of the fp32 sum over chunks is then arbitrary (fp32 rounding only, far below bf16)."""
+    B, S, N, C = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("C")
     M = BQ * H
 
     @T.macro
     def body(Q, K, W, Lo, Hi, Cand, dI, dQ, dW):
-        with T.Kernel(S // BQ, B, threads=threads) as (qb, bi):
+        with T.Kernel(S // BQ, C, B, threads=threads) as (qb, c, bi):
             q_s = T.alloc_shared([M, D], BF16)
             k_s = T.alloc_shared([BN, D], BF16)
             ds_s = T.alloc_shared([M, BN], BF16)
@@ -284,7 +318,13 @@ def bwd_q_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = Fal
             hi_s = T.alloc_shared([BQ], I32)
             jlo = T.alloc_var(I32)
             jhi = T.alloc_var(I32)
+            v_lo = T.alloc_var(I32)
+            v_hi = T.alloc_var(I32)
 
+            nblk = T.ceildiv(N, BN)
+            per = T.ceildiv(nblk, C)
+            b_lo = c * per
+            b_hi = T.min(b_lo + per, nblk)
             q0 = qb * BQ
             for m, d in T.Parallel(M, D):
                 q_s[m, d] = Q[bi, q0 + m // H, m % H, d]
@@ -301,48 +341,59 @@ def bwd_q_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = Fal
                 if lo_s[t] < hi_s[t]:
                     jlo = T.min(jlo, lo_s[t])
                     jhi = T.max(jhi, hi_s[t])
-            for nb in T.serial(T.ceildiv(N, BN)):
-                j0 = nb * BN
-                if j0 < jhi and j0 + BN > jlo:
-                    for j, d in T.Parallel(BN, D):
-                        k_s[j, d] = T.if_then_else(j0 + j < N, K[bi, j0 + j, d], T.Cast(BF16, 0))
-                    for t, j in T.Parallel(BQ, BN):
-                        vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t]) and (j0 + j < N)
-                        if has_cand:
-                            vis = vis and (Cand[bi, q0 + t, T.min(j0 + j, N - 1)] != 0)
-                        g_s[t, j] = T.if_then_else(vis, T.Cast(F32, dI[bi, q0 + t, T.min(j0 + j, N - 1)]), 0.0)
-                    T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for m, j in T.Parallel(M, BN):
-                        dwb[m, j] = g_s[m // H, j] * T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0)
-                        ds_s[m, j] = T.if_then_else(T.Cast(F32, T.Cast(BF16, acc[m, j])) > 0,
-                                                    T.Cast(BF16, g_s[m // H, j] * w_f[m]), T.Cast(BF16, 0))
-                    T.reduce_sum(dwb, dw_blk, dim=1)
+            v_lo = T.max(b_lo, jlo // BN)
+            v_hi = T.min(b_hi, T.ceildiv(jhi, BN))
+            v_hi = T.max(v_hi, v_lo)
+            for i in T.Pipelined(v_hi - v_lo, num_stages=stages):
+                j0 = (v_lo + i) * BN
+                T.copy(K[bi, j0:j0 + BN, :], k_s)
+                for t, j in T.Parallel(BQ, BN):
+                    vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t]) and (j0 + j < N)
+                    if has_cand:
+                        vis = vis and (Cand[bi, q0 + t, T.min(j0 + j, N - 1)] != 0)
+                    g_s[t, j] = T.if_then_else(vis, T.Cast(F32, dI[bi, q0 + t, T.min(j0 + j, N - 1)]), 0.0)
+                T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for m, j in T.Parallel(M, BN):
+                    dwb[m, j] = g_s[m // H, j] * T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0)
+                    ds_s[m, j] = T.if_then_else(T.Cast(F32, T.Cast(BF16, acc[m, j])) > 0,
+                                                T.Cast(BF16, g_s[m // H, j] * w_f[m]), T.Cast(BF16, 0))
+                T.reduce_sum(dwb, dw_blk, dim=1)
+                for m in T.Parallel(M):
+                    dw_f[m] += dw_blk[m]
+                T.gemm(ds_s, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
+            if split:
+                if v_hi > v_lo:
+                    for m, d in T.Parallel(M, D):
+                        T.atomic_add(dQ[bi, q0 + m // H, m % H, d], dq[m, d])
                     for m in T.Parallel(M):
-                        dw_f[m] += dw_blk[m]
-                    T.gemm(ds_s, k_s, dq, policy=T.GemmWarpPolicy.FullRow)
-            for m, d in T.Parallel(M, D):
-                dQ[bi, q0 + m // H, m % H, d] = T.Cast(BF16, dq[m, d])
-            for m in T.Parallel(M):
-                dW[bi, q0 + m // H, m % H] = dw_f[m]
+                        T.atomic_add(dW[bi, q0 + m // H, m % H], dw_f[m])
+            else:
+                for m, d in T.Parallel(M, D):
+                    dQ[bi, q0 + m // H, m % H, d] = T.Cast(BF16, dq[m, d])
+                for m in T.Parallel(M):
+                    dW[bi, q0 + m // H, m % H] = dw_f[m]
 
+    QT = F32 if split else BF16
     if has_cand:
         @T.prim_func
         def index_score_bwd_q_cand(
             Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
             Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32), Cand: T.Tensor([B, S, N], "int8"),
-            dI: T.Tensor([B, S, N], BF16), dQ: T.Tensor([B, S, H, D], BF16), dW: T.Tensor([B, S, H], F32),
+            dI: T.Tensor([B, S, N], BF16), Chunk: T.Tensor([C], I32),
+            dQ: T.Tensor([B, S, H, D], QT), dW: T.Tensor([B, S, H], F32),
         ):
             body(Q, K, W, Lo, Hi, Cand, dI, dQ, dW)
-        return compile_kernel(index_score_bwd_q_cand, out_idx=[7, 8])
+        return compile_kernel(index_score_bwd_q_cand, out_idx=None if split else [8, 9])
 
     @T.prim_func
     def index_score_bwd_q(
         Q: T.Tensor([B, S, H, D], BF16), K: T.Tensor([B, N, D], BF16), W: T.Tensor([B, S, H], BF16),
         Lo: T.Tensor([B, S], I32), Hi: T.Tensor([B, S], I32),
-        dI: T.Tensor([B, S, N], BF16), dQ: T.Tensor([B, S, H, D], BF16), dW: T.Tensor([B, S, H], F32),
+        dI: T.Tensor([B, S, N], BF16), Chunk: T.Tensor([C], I32),
+        dQ: T.Tensor([B, S, H, D], QT), dW: T.Tensor([B, S, H], F32),
     ):
         body(Q, K, W, Lo, Hi, None, dI, dQ, dW)
-    return compile_kernel(index_score_bwd_q, out_idx=[6, 7])
+    return compile_kernel(index_score_bwd_q, out_idx=None if split else [7, 8])
 
 
 @functools.lru_cache(maxsize=None)
@@ -421,13 +472,49 @@ def bwd_k_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = Fal
 
 
 # ----------------------------------------------------------------------------- launch helpers
-SCORE_CFG = dict(BQ=4, BN=128, threads=256)
-TOPK_THREADS = 512
+SCORE_CFG = dict(BQ=4, BN=128, threads=256, stages=2)
+TOPK_THREADS = None     # None: by row length (_topk_threads); an int forces one count
+WAVES = 2               # entry chunks aim at WAVES * SMs CTAs when the query blocks alone do not fill the GPU
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _chunks(qblocks: int, nblk: int, sms: int, chunks=None) -> int:
+    """Entry chunks C for a grid of ``qblocks`` query blocks (x batch) over ``nblk`` entry blocks: 1 when
+    the query blocks already fill the SMs (release prefill: 1024 CTAs, today's behaviour), else enough
+    chunks for about WAVES * sms CTAs. Rounded so every chunk has blocks (C = ceil(nblk / per))."""
+    if chunks is None:
+        chunks = 1 if qblocks >= sms else -(-WAVES * sms // max(1, qblocks))
+    c = max(1, min(int(chunks), nblk))
+    per = -(-nblk // c)
+    return -(-nblk // per)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_arg(c: int, device) -> torch.Tensor:
+    """The kernels read only the length of this tensor (the dynamic grid size C)."""
+    return torch.empty(c, dtype=torch.int32, device=device)
+
+
+def _topk_threads(rows: int, n: int, sms: int) -> int:
+    """Threads per row of the top-k kernel. Run 9 (H200): 4096 rows x 1024 -> 256 best (0.049 ms vs 0.070
+    at 512, 0.121 at 1024: several CTAs per SM); 64 x 16384 and 16 x 65536 -> 1024 best (0.027 / 0.114 ms
+    vs 0.061 / 0.205 at 256: one CTA per row and SM, so the row's latency is all that counts). So: few
+    rows (under 2 waves of SMs) on rows longer than 1024 take 1024 threads; otherwise 256 up to 4096
+    entries, 512 beyond (unmeasured middle ground; the bench sweeps it)."""
+    if rows < 2 * sms and n > 1024:
+        return 1024
+    return 256 if n <= 4096 else 512
 
 
 def _score_fwd(q, k, w, lo, hi, cand=None, cfg=None):
-    """Launch the scoring kernel: pads the queries to a multiple of BQ (padded rows see nothing)."""
+    """Launch the scoring kernel: pads the queries to a multiple of BQ (padded rows see nothing).
+    cfg: the kernel's BQ, BN, threads, stages, and ``chunks`` (entry chunks; default by _chunks)."""
     cfg = dict(SCORE_CFG, **(cfg or {}))
+    chunks = cfg.pop("chunks", None)
     b, s, H, D = q.shape
     n = k.shape[1]
     BQ = cfg["BQ"]
@@ -445,7 +532,8 @@ def _score_fwd(q, k, w, lo, hi, cand=None, cfg=None):
     args = [q.contiguous(), k.contiguous(), w.contiguous(), lo.contiguous(), hi.contiguous()]
     if cand is not None:
         args.append(cand.contiguous().view(torch.int8))
-    out = kern(*args)
+    c = _chunks(sp // BQ * b, max(1, -(-n // cfg["BN"])), _sm_count(q.device), chunks)
+    out = kern(*args, _chunk_arg(c, q.device))
     return out[:, :s] if sp != s else out
 
 
@@ -456,7 +544,7 @@ def _plain(t):
     return t
 
 
-BWD_CFG = dict(BQ=4, BN=64, threads=256)
+BWD_CFG = dict(BQ=4, BN=64, threads=256, stages=2)
 BWD_KERNEL = True       # False: dq, dk, dw by autograd of the torch reference on recomputed scores
 
 
@@ -475,10 +563,14 @@ def _score_bwd_torch(q, k, w, lo, hi, cand, dI):
 
 
 def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
-    """dq, dk, dw of the scores: the two backward kernels (queries padded to BQ; padded rows see nothing)."""
+    """dq, dk, dw of the scores: the two backward kernels (queries padded to BQ; padded rows see nothing).
+    cfg: BQ, BN, threads of both kernels; stages and chunks of the dq / dw kernel (chunks > 1 splits
+    the entries over CTAs and sums partial dq / dw with fp32 atomics; default by _chunks)."""
     if not BWD_KERNEL:
         return _score_bwd_torch(q, k, w, lo, hi, cand, dI)
     cfg = dict(BWD_CFG, **(cfg or {}))
+    chunks = cfg.pop("chunks", None)        # entry chunks of the dq / dw kernel (default by _chunks)
+    stages = cfg.pop("stages")              # K buffers of the dq / dw kernel
     b, s, H, D = q.shape
     n = k.shape[1]
     BQ, BN = cfg["BQ"], cfg["BN"]
@@ -496,10 +588,17 @@ def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
     if cp is not None:
         args.append(cp.contiguous().view(torch.int8))
     args.append(dIp.contiguous())
-    dq, dw = bwd_q_kernel(H, D, has_cand=cp is not None, **cfg)(*args)
-    dk = torch.zeros(b, n, D, dtype=torch.float32, device=k.device)
     nblk = -(-n // BN)
-    sms = torch.cuda.get_device_properties(k.device).multi_processor_count
+    sms = _sm_count(k.device)
+    c = _chunks(sp // BQ * b, max(1, nblk), sms, chunks)
+    qcfg = dict(BQ=BQ, BN=BN, threads=cfg["threads"], stages=stages)
+    if c == 1:
+        dq, dw = bwd_q_kernel(H, D, has_cand=cp is not None, **qcfg)(*args, _chunk_arg(1, k.device))
+    else:       # few query blocks: entry chunks, partial dq / dw summed with fp32 atomics
+        dq = torch.zeros(b, sp, H, D, dtype=torch.float32, device=q.device)
+        dw = torch.zeros(b, sp, H, dtype=torch.float32, device=q.device)
+        bwd_q_kernel(H, D, has_cand=cp is not None, split=True, **qcfg)(*args, _chunk_arg(c, k.device), dq, dw)
+    dk = torch.zeros(b, n, D, dtype=torch.float32, device=k.device)
     P = max(1, min(sp // BQ, -(-2 * sms // max(1, nblk * b))))
     split = torch.empty(P, dtype=torch.int32, device=k.device)
     bwd_k_kernel(H, D, has_cand=cp is not None, **cfg)(*args, split, dk)
@@ -547,30 +646,45 @@ def index_topk(score, k, threads=None):
         from ..reference_indexer import index_topk as ref
         return ref(score, k)
     x = score.reshape(-1, n).contiguous()
-    idx = topk_kernel(int(k), threads or TOPK_THREADS)(x)
+    th = threads or TOPK_THREADS or _topk_threads(x.shape[0], n, _sm_count(x.device))
+    idx = topk_kernel(int(k), th)(x)
     return idx[:, :kk].long().reshape(lead + (kk,))
 
 
 def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None):
-    """Level-1 candidate blocks. Plain rows (``blocks`` an int block size): block maxima by a torch amax
-    (exact: a max of bf16 values), the newest visible entry's block set to +inf, then the top-k kernel
-    over the [b*s, n_blocks] block scores (same exact rule: ties to the lower block id, -inf never
-    kept), expanded back to entries. Packed rows (a [b, n] block-id tensor): the torch reference."""
+    """Level-1 candidate blocks: [b, s, nb] block scores (exact maxima of bf16 scores, -inf where a block
+    has no visible entry), the newest visible entry's block set to +inf, then the top-k kernel over the
+    [b*s, nb] block scores (the reference's exact rule: ties to the lower block id, -inf never kept),
+    expanded back to entries. Plain rows (``blocks`` an int block size): block maxima by a torch amax
+    over [nb, B] views. Packed rows (a [b, n] block-id tensor): block maxima by a scatter amax (in fp32
+    as the reference, then bf16: exact, every value is a bf16), the forced block read from ``blocks``."""
     b, s, n = score.shape
-    if not isinstance(blocks, int) or score.dtype != torch.bfloat16 or n == 0:
+    if score.dtype != torch.bfloat16 or n == 0 or n_blocks == 0:
         from ..reference_indexer import index_candidates as ref
         return ref(score, lo, hi, blocks, n_blocks, topk_blocks)
-    B, nb = blocks, n_blocks
-    x = score
-    if nb * B != n:
-        x = torch.nn.functional.pad(x, (0, nb * B - n), value=float("-inf"))
-    bs = x.view(b, s, nb, B).amax(-1)                                            # [b, s, nb] bf16
+    nb = n_blocks
     has = hi > lo
-    fb = torch.where(has, hi - 1, 0) // B
+    newest = torch.where(has, hi - 1, 0)
+    if isinstance(blocks, int):
+        B = blocks
+        x = score
+        if nb * B != n:
+            x = torch.nn.functional.pad(x, (0, nb * B - n), value=float("-inf"))
+        bs = x.view(b, s, nb, B).amax(-1)                                        # [b, s, nb] bf16
+        fb = newest // B
+    else:
+        idx_e = blocks[:, None, :].expand(b, s, n)
+        bs = torch.full((b, s, nb), float("-inf"), device=score.device)
+        bs = bs.scatter_reduce(-1, idx_e, score.float(), reduce="amax", include_self=True).to(torch.bfloat16)
+        fb = blocks.gather(1, newest)
     forced = torch.nn.functional.one_hot(fb, nb).bool() & has[..., None]
     bs = bs.masked_fill(forced, float("inf")).reshape(b * s, nb).contiguous()
     kb = min(topk_blocks, nb)
-    idx = topk_kernel(int(topk_blocks), threads or TOPK_THREADS)(bs)[:, :kb].long()
+    th = threads or TOPK_THREADS or _topk_threads(b * s, nb, _sm_count(bs.device))
+    idx = topk_kernel(int(topk_blocks), th)(bs)[:, :kb].long()
     keep = torch.zeros(b * s, nb + 1, dtype=torch.bool, device=score.device)
     keep.scatter_(1, torch.where(idx >= 0, idx, nb), True)
-    return keep[:, :nb].view(b, s, nb).repeat_interleave(B, -1)[..., :n]
+    keep = keep[:, :nb].view(b, s, nb)
+    if isinstance(blocks, int):
+        return keep.repeat_interleave(blocks, -1)[..., :n]
+    return keep.gather(-1, blocks[:, None, :].expand(b, s, n))
