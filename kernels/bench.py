@@ -372,8 +372,13 @@ def indexer(results, args):
     from functional_dsv41.kernels import reference_indexer as ref
     from functional_dsv41.kernels.tilelang import indexer_tl as it
     H, D = 32, 128
-    cfgs = getattr(args, "indexer_cfgs", [dict(BQ=2, BN=128, threads=256), dict(BQ=4, BN=64, threads=256)])
+    # scoring variants (the default is SCORE_CFG = BQ 4, BN 128, stages 2, chunks by _chunks); stages 0 =
+    # round 1's unpipelined loads; chunks: 1 = round 1's one CTA per query block, 2x = twice the default
+    cfgs = getattr(args, "indexer_cfgs", [dict(BQ=4, BN=128, stages=0), dict(BQ=4, BN=64, stages=2),
+                                          dict(BQ=2, BN=128, stages=2), dict(BQ=8, BN=64, stages=2),
+                                          dict(BQ=4, BN=128, stages=3)])
     topk_threads = getattr(args, "indexer_topk_threads", [256, 512, 1024])
+    bwd_cfgs = [dict(stages=0), dict(chunks=1), dict(stages=0, chunks=1)]
     shapes = [(args.m, args.m // 4, 4), (64, 16384, 0), (16, 65536, 0)]
     for (s, n, ratio) in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -394,6 +399,13 @@ def indexer(results, args):
                                    bench(lambda: it._score_fwd(q, k, w, lo, hi, cfg=cfg)), fl, by))
             except Exception as e:
                 print(f"  score kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        c0 = it._chunks(s // 4, n // 128, torch.cuda.get_device_properties(0).multi_processor_count)
+        for ch in sorted({1, 2 * c0, max(1, c0 // 2)} - {c0}):
+            try:
+                results.append(row(f"  score kernel default cfg, chunks={ch} (default {c0})",
+                                   bench(lambda: it._score_fwd(q, k, w, lo, hi, cfg=dict(chunks=ch))), fl, by))
+            except Exception as e:
+                print(f"  score kernel chunks={ch}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         cand = torch.rand(1, s, n, device="cuda", generator=g) < 0.5
         try:
             results.append(row("  with a candidate mask (level 2)", bench(lambda: it.index_scores(q, k, w, lo, hi, cand)),
@@ -404,6 +416,8 @@ def indexer(results, args):
         I = ref.index_scores(q, k, w, lo, hi)
         kt = 512
         by_t = s * n * 2 + s * kt * 8
+        results.append(row(f"index_topk tilelang k={kt} threads=auto ({it._topk_threads(s, n, 132)})",
+                           bench(lambda: it.index_topk(I, kt)), None, by_t))
         for th in topk_threads:
             try:
                 results.append(row(f"index_topk tilelang k={kt} threads={th}",
@@ -417,6 +431,13 @@ def indexer(results, args):
             blocks = (torch.arange(n, device="cuda") // 8)[None].contiguous()
             results.append(row("index_candidates tilelang path (amax + top-k kernel, 2048 of n/8 blocks)",
                                bench(lambda: it.index_candidates(I, lo, hi, 8, n // 8, 2048), 2, 10), None, s * n * 3))
+            for th in topk_threads:
+                try:
+                    results.append(row(f"  candidates top-k threads={th} (auto {it._topk_threads(s, n // 8, 132)})",
+                                       bench(lambda: it.index_candidates(I, lo, hi, 8, n // 8, 2048, threads=th), 2, 10),
+                                       None, s * n * 3))
+                except Exception as e:
+                    print(f"  candidates threads={th}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             results.append(row("index_candidates torch reference",
                                bench(lambda: ref.index_candidates(I, lo, hi, blocks, n // 8, 2048), 2, 10), None, s * n * 3))
         qg, kg, wg = (x.clone().requires_grad_(True) for x in (q, k, w))
@@ -424,6 +445,12 @@ def indexer(results, args):
         dI = torch.randn_like(out).masked_fill(torch.isneginf(out), 0)
         results.append(row("index_scores bwd (dq, dk, dw) tilelang path",
                            bench(lambda: torch.autograd.grad(out, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
+        for bc in bwd_cfgs:
+            try:
+                results.append(row(f"  bwd kernels {json.dumps(bc, separators=(',', ':'))}",
+                                   bench(lambda: it._score_bwd(q, k, w, lo, hi, None, dI, cfg=bc), 2, 10), 3 * fl))
+            except Exception as e:
+                print(f"  bwd cfg {bc}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results.append(row("  bwd in plain torch ops (recomputed [s,Hi,n] scores)",
                            bench(lambda: it._score_bwd_torch(q, k, w, lo, hi, None, dI), 2, 10), 3 * fl))
         outr = ref.index_scores(qg, kg, wg, lo, hi)
@@ -431,6 +458,21 @@ def indexer(results, args):
                            bench(lambda: torch.autograd.grad(outr, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
         del q, k, w, I, out, outr, qg, kg, wg, dI, cand
         torch.cuda.empty_cache()
+    # top-k alone on more (rows, n): where the thread-count rule (_topk_threads) is not measured yet
+    for (r, n) in ((4096, 4096), (4096, 16384), (512, 16384), (132, 4096)):
+        g = torch.Generator(device="cuda").manual_seed(1)
+        X = torch.randn(r, n, device="cuda", generator=g).bfloat16()
+        by_t = r * n * 2 + r * 512 * 8
+        print(f"-- indexer top-k k=512 rows={r} n={n} (auto threads {it._topk_threads(r, n, 132)})", flush=True)
+        for th in topk_threads:
+            try:
+                results.append(row(f"index_topk tilelang rows={r} n={n} threads={th}",
+                                   bench(lambda: it.index_topk(X, 512, threads=th)), None, by_t))
+            except Exception as e:
+                print(f"  topk threads={th}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        results.append(row("peer: torch.topk (no tie rule, unsorted ids)",
+                           bench(lambda: torch.topk(X, 512, dim=-1, sorted=False)), None, by_t))
+        del X
 
 
 # name -> section(results, args); each kernel family owns one entry (--only picks some)
