@@ -173,15 +173,35 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
             parts = {}
             sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg, parts)
             delta = parts["delta"]
-            kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
-            results.append(row("  of which the dq kernel (writes P, dS)",
-                               bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
-            kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"], threads=k["dkv_threads"],
-                               ws=k["dkv_ws"], pad=k["dkv_pad"])
+            W = k["window"]
             dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
-            results.append(row("  of which the dkv kernel (atomics x4)",
-                               bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
-                               "2 of 5 GEMMs; accumulates into dkv across reps"))
+            if W:                                                      # window fast path: 3 kernels
+                pw, dsw = parts["pw"], parts["dsw"]
+                kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"],
+                                  window=W, BQ=k["win_BQ"])
+                results.append(row("  of which the dq kernel (writes P, dS; window shifted)",
+                                   bench(lambda: kq(q, kv, do, idx, lse, delta, pw, dsw)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
+                kw = sb.dkv_window_kernel(H, D, W=W, BQ=k["win_BQ"], base=k["win_base"], DC=min(k["win_DC"], D),
+                                          stages=k["win_stages"], threads=k["win_threads"])
+                results.append(row(f"  of which the dkv window kernel (slots 0..{W - 1})",
+                                   bench(lambda: kw(q, do, pw, dsw, dkv)), 0.4 * fl_b * W / T, None,
+                                   "useful FLOPs (GEMM M = W + BQ runs 1.5x)"))
+                kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"],
+                                   threads=k["dkv_threads"], ws=k["dkv_ws"], pad=k["dkv_pad"], t0=W)
+                results.append(row(f"  of which the dkv kernel (slots {W}..{T - 1})",
+                                   bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b * (T - W) / T,
+                                   None, "accumulates into dkv across reps"))
+                results.append(row("  of which the window layout check (host sync)",
+                                   bench(lambda: sb.check_window(idx, W, k["win_base"])), None, None))
+            else:
+                kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
+                results.append(row("  of which the dq kernel (writes P, dS)",
+                                   bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
+                kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"],
+                                   threads=k["dkv_threads"], ws=k["dkv_ws"], pad=k["dkv_pad"])
+                results.append(row("  of which the dkv kernel (atomics x4)",
+                                   bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
+                                   "2 of 5 GEMMs; accumulates into dkv across reps"))
             del parts, dkv
         except Exception as e:
             print(f"  split bwd {cfg}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -501,11 +521,13 @@ def main(argv=None):
     args.attn_fwd_cfgs = [dict(kernel="ws", BI=32, stages=4, early_qk=False), dict(kernel="ws", BI=32, stages=4, nreg=(224, 56)),
                           dict(kernel="ws", BI=16, stages=8), dict(kernel="ws", BI=48, stages=3, early_qk=False)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
-    args.attn_bwd_split_cfgs = [{}, dict(dkv_pad=0), dict(dkv_ws=True), dict(DC=256), dict(dkv_threads=256),
-                                dict(DC=256, dkv_threads=256), dict(dkv_stages=3), dict(dq_stages=0),
-                                dict(dq_threads=512), dict(dq_threads=512, dq_stages=0),
-                                dict(dkv_BI=128, DC=64), dict(dkv_BI=128, DC=128, dkv_stages=1),
-                                dict(dkv_BI=128, DC=128, dkv_threads=256, dkv_stages=1)]
+    # run 9 measured the generic knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128: all slower); round 2:
+    # the window fast path (window=128: the bench's idx has the sliding window in slots 0..127)
+    args.attn_bwd_split_cfgs = [{}, dict(window=128), dict(window=128, win_check=False),
+                                dict(window=128, win_threads=128), dict(window=128, win_DC=128),
+                                dict(window=128, win_DC=128, win_threads=128), dict(window=128, win_stages=3),
+                                dict(window=128, win_stages=1), dict(window=128, dq_stages=0),
+                                dict(window=128, dkv_stages=3)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),      # v1 (default) first
                       *[dict(variant="v2", **c) for c in GEMM_V2_CFGS]]
     args.fp4_gemm_cfgs = [dict(stages=3), *[dict(variant="v2", **c) for c in FP4_GEMM_V2_CFGS]]
