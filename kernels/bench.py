@@ -398,7 +398,7 @@ def indexer(results, args):
                                           dict(BQ=2, BN=128, stages=2), dict(BQ=8, BN=64, stages=2),
                                           dict(BQ=4, BN=128, stages=3)])
     topk_threads = getattr(args, "indexer_topk_threads", [256, 512, 1024])
-    bwd_cfgs = [dict(stages=0), dict(chunks=1), dict(stages=0, chunks=1)]
+    bwd_cfgs = [dict(stages=0), dict(chunks=1), dict(stages=0, chunks=1), dict(BNk=128)]
     shapes = [(args.m, args.m // 4, 4), (64, 16384, 0), (16, 65536, 0)]
     for (s, n, ratio) in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -439,11 +439,12 @@ def indexer(results, args):
         results.append(row(f"index_topk tilelang k={kt} threads=auto ({it._topk_threads(s, n, 132)})",
                            bench(lambda: it.index_topk(I, kt)), None, by_t))
         for th in topk_threads:
-            try:
-                results.append(row(f"index_topk tilelang k={kt} threads={th}",
-                                   bench(lambda: it.index_topk(I, kt, threads=th)), None, by_t))
-            except Exception as e:
-                print(f"  topk threads={th}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            for agg in (False, True):
+                try:
+                    results.append(row(f"index_topk tilelang k={kt} threads={th}{' agg' if agg else ''}",
+                                       bench(lambda: it.index_topk(I, kt, threads=th, agg=agg)), None, by_t))
+                except Exception as e:
+                    print(f"  topk threads={th} agg={agg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results.append(row("index_topk torch reference (exact ties)", bench(lambda: ref.index_topk(I, kt), 2, 10), None, by_t))
         results.append(row("peer: torch.topk (no tie rule, unsorted ids)",
                            bench(lambda: torch.topk(I, min(kt, n), dim=-1, sorted=False)), None, by_t))
@@ -485,11 +486,12 @@ def indexer(results, args):
         by_t = r * n * 2 + r * 512 * 8
         print(f"-- indexer top-k k=512 rows={r} n={n} (auto threads {it._topk_threads(r, n, 132)})", flush=True)
         for th in topk_threads:
-            try:
-                results.append(row(f"index_topk tilelang rows={r} n={n} threads={th}",
-                                   bench(lambda: it.index_topk(X, 512, threads=th)), None, by_t))
-            except Exception as e:
-                print(f"  topk threads={th}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            for agg in (False, True):
+                try:
+                    results.append(row(f"index_topk tilelang rows={r} n={n} threads={th}{' agg' if agg else ''}",
+                                       bench(lambda: it.index_topk(X, 512, threads=th, agg=agg)), None, by_t))
+                except Exception as e:
+                    print(f"  topk threads={th} agg={agg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results.append(row("peer: torch.topk (no tie rule, unsorted ids)",
                            bench(lambda: torch.topk(X, 512, dim=-1, sorted=False)), None, by_t))
         del X

@@ -135,20 +135,28 @@ def _tied_scores(b, s, n, seed=0):
                          ids=lambda s: "x".join(map(str, s)))
 def test_index_topk_exact(bsn):
     need_tilelang()
+    from functional_dsv41.kernels.tilelang import indexer_tl
     x = _tied_scores(*bsn)
     for k in (512, 64):
         out = K.index_topk(x, k, impl="tilelang")
         ref = K.index_topk(x, k, impl="torch")
         assert out.dtype == torch.int64 and out.shape == ref.shape
         assert torch.equal(out, ref)
+        for agg in (False, True):           # both histogram variants, whatever TOPK_AGG says
+            assert torch.equal(indexer_tl.index_topk(x, k, agg=agg), ref), agg
 
 
 def test_index_topk_on_reference_scores_release():
     """Top-k of the release shape's own scores (bf16 ties between near-equal scores)."""
     need_tilelang()
     q, k, w, lo, hi = _inputs(1, 4096, 1024, 32, 128, seed=5)
+    from functional_dsv41.kernels.tilelang import indexer_tl
     ref_scores = K.index_scores(q, k, w, lo, hi, impl="torch")
-    assert torch.equal(K.index_topk(ref_scores, 512, impl="tilelang"), K.index_topk(ref_scores, 512, impl="torch"))
+    ref = K.index_topk(ref_scores, 512, impl="torch")
+    assert torch.equal(K.index_topk(ref_scores, 512, impl="tilelang"), ref)
+    for agg in (False, True):
+        for th in (256, 512, 1024):             # every count the bench sweeps
+            assert torch.equal(indexer_tl.index_topk(ref_scores, 512, threads=th, agg=agg), ref), (agg, th)
 
 
 @pytest.mark.parametrize("bsn", [(2, 40, 333), (1, 16, 20000)], ids=lambda s: "x".join(map(str, s)))
@@ -249,7 +257,7 @@ def test_index_scores_backward_long_rows(bsn):
         assert cosine_diff(a, r) < 1e-4
 
 
-BWD_CFGS = [dict(stages=0), dict(stages=2, chunks=3), dict(stages=0, chunks=5), dict(chunks=1)]
+BWD_CFGS = [dict(stages=0), dict(stages=2, chunks=3), dict(stages=0, chunks=5), dict(chunks=1), dict(BNk=128)]
 
 
 @pytest.mark.parametrize("cfg", BWD_CFGS, ids=lambda c: ",".join(f"{a}={v}" for a, v in c.items()))

@@ -141,10 +141,27 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
 
 # ----------------------------------------------------------------------------- top-k
 @functools.lru_cache(maxsize=None)
-def topk_kernel(KT: int, threads: int = 512):
-    """Idx [R, KT] int32 = exact top-KT of each row of X [R, N] bf16 (ascending, -1 padding)."""
+def topk_kernel(KT: int, threads: int = 512, agg: bool = False):
+    """Idx [R, KT] int32 = exact top-KT of each row of X [R, N] bf16 (ascending, -1 padding).
+
+    ``agg``: warp-aggregated histogram updates (__match_any_sync over the bin, one shared atomic of the
+    group's popcount by its lowest lane). Index scores cluster in a few exponents, so the high-byte
+    pass sends most of a warp's 32 increments to the same 1-3 bins, which the plain atomics serialize."""
     R, N = T.dynamic("R"), T.dynamic("N")
     NT = threads
+
+    @T.macro
+    def hist_add(hist, bin_, ok):
+        # add 1 to hist[bin_] where ok; with agg, lanes with equal bins (invalid ones get bin 256) merge
+        if agg:
+            b = T.if_then_else(ok, bin_, 256)
+            grp = T.call_extern("uint32", "__match_any_sync", T.call_extern("uint32", "__activemask"), b)
+            lead = T.call_extern("int32", "__ffs", grp) - 1
+            if ok and lead == (T.get_thread_binding() & 31):
+                T.atomic_add(hist[bin_], T.call_extern("int32", "__popc", grp))
+        else:
+            if ok:
+                T.atomic_add(hist[bin_], 1)
 
     @T.macro
     def key_of(x):
@@ -185,8 +202,7 @@ def topk_kernel(KT: int, threads: int = 512):
                 j = it * NT + tx
                 if j < N:
                     key = key_of(X[row, j])
-                    if key != 0x007F:
-                        T.atomic_add(hist[key >> 8], 1)
+                    hist_add(hist, key >> 8, key != 0x007F)
             T.sync_threads()
             # suffix sums over the 256 bins (hist[256] = 0): hist[b] = #(high byte >= b)
             for step in T.serial(8):
@@ -214,8 +230,7 @@ def topk_kernel(KT: int, threads: int = 512):
                     j = it * NT + tx
                     if j < N:
                         key = key_of(X[row, j])
-                        if key != 0x007F and (key >> 8) == b1:
-                            T.atomic_add(hist[key & 0xFF], 1)
+                        hist_add(hist, key & 0xFF, key != 0x007F and (key >> 8) == b1)
             T.sync_threads()
             for step in T.serial(8):
                 if tx < 256:
@@ -474,6 +489,7 @@ def bwd_k_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = Fal
 # ----------------------------------------------------------------------------- launch helpers
 SCORE_CFG = dict(BQ=4, BN=128, threads=256, stages=2)
 TOPK_THREADS = None     # None: by row length (_topk_threads); an int forces one count
+TOPK_AGG = False        # warp-aggregated histogram atomics in the top-k kernel (bench: "agg")
 WAVES = 2               # entry chunks aim at WAVES * SMs CTAs when the query blocks alone do not fill the GPU
 
 
@@ -544,7 +560,7 @@ def _plain(t):
     return t
 
 
-BWD_CFG = dict(BQ=4, BN=64, threads=256, stages=2)
+BWD_CFG = dict(BQ=4, BN=64, threads=256, stages=2, BNk=64)
 BWD_KERNEL = True       # False: dq, dk, dw by autograd of the torch reference on recomputed scores
 
 
@@ -564,13 +580,16 @@ def _score_bwd_torch(q, k, w, lo, hi, cand, dI):
 
 def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
     """dq, dk, dw of the scores: the two backward kernels (queries padded to BQ; padded rows see nothing).
-    cfg: BQ, BN, threads of both kernels; stages and chunks of the dq / dw kernel (chunks > 1 splits
-    the entries over CTAs and sums partial dq / dw with fp32 atomics; default by _chunks)."""
+    cfg: BQ, threads of both kernels; BN, stages and chunks of the dq / dw kernel (chunks > 1 splits
+    the entries over CTAs and sums partial dq / dw with fp32 atomics; default by _chunks); BNk the
+    entry block of the dk kernel (128 halves its q reloads; the dq kernel's three [M, BN] fp32 tiles
+    do not fit registers at BN = 128)."""
     if not BWD_KERNEL:
         return _score_bwd_torch(q, k, w, lo, hi, cand, dI)
     cfg = dict(BWD_CFG, **(cfg or {}))
     chunks = cfg.pop("chunks", None)        # entry chunks of the dq / dw kernel (default by _chunks)
     stages = cfg.pop("stages")              # K buffers of the dq / dw kernel
+    BNk = cfg.pop("BNk")                    # entry block of the dk kernel
     b, s, H, D = q.shape
     n = k.shape[1]
     BQ, BN = cfg["BQ"], cfg["BN"]
@@ -599,9 +618,9 @@ def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
         dw = torch.zeros(b, sp, H, dtype=torch.float32, device=q.device)
         bwd_q_kernel(H, D, has_cand=cp is not None, split=True, **qcfg)(*args, _chunk_arg(c, k.device), dq, dw)
     dk = torch.zeros(b, n, D, dtype=torch.float32, device=k.device)
-    P = max(1, min(sp // BQ, -(-2 * sms // max(1, nblk * b))))
+    P = max(1, min(sp // BQ, -(-2 * sms // max(1, -(-n // BNk) * b))))
     split = torch.empty(P, dtype=torch.int32, device=k.device)
-    bwd_k_kernel(H, D, has_cand=cp is not None, **cfg)(*args, split, dk)
+    bwd_k_kernel(H, D, BQ=BQ, BN=BNk, has_cand=cp is not None, threads=cfg["threads"])(*args, split, dk)
     return dq[:, :s].to(q.dtype), dk.to(k.dtype), dw[:, :s].to(w.dtype)
 
 
@@ -634,7 +653,7 @@ def index_scores(q, k, w, lo, hi, cand=None):
     return _IndexScores.apply(q, k, w, lo, hi, cand)
 
 
-def index_topk(score, k, threads=None):
+def index_topk(score, k, threads=None, agg=None):
     """Same contract as ``reference.index_topk`` (int64 ids ascending, -1 padding; exact ties to the
     lower index). One kernel per requested k: rows shorter than k take the first n columns."""
     n = score.shape[-1]
@@ -647,11 +666,11 @@ def index_topk(score, k, threads=None):
         return ref(score, k)
     x = score.reshape(-1, n).contiguous()
     th = threads or TOPK_THREADS or _topk_threads(x.shape[0], n, _sm_count(x.device))
-    idx = topk_kernel(int(k), th)(x)
+    idx = topk_kernel(int(k), th, TOPK_AGG if agg is None else agg)(x)
     return idx[:, :kk].long().reshape(lead + (kk,))
 
 
-def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None):
+def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None, agg=None):
     """Level-1 candidate blocks: [b, s, nb] block scores (exact maxima of bf16 scores, -inf where a block
     has no visible entry), the newest visible entry's block set to +inf, then the top-k kernel over the
     [b*s, nb] block scores (the reference's exact rule: ties to the lower block id, -inf never kept),
@@ -681,7 +700,7 @@ def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None)
     bs = bs.masked_fill(forced, float("inf")).reshape(b * s, nb).contiguous()
     kb = min(topk_blocks, nb)
     th = threads or TOPK_THREADS or _topk_threads(b * s, nb, _sm_count(bs.device))
-    idx = topk_kernel(int(topk_blocks), th)(bs)[:, :kb].long()
+    idx = topk_kernel(int(topk_blocks), th, TOPK_AGG if agg is None else agg)(bs)[:, :kb].long()
     keep = torch.zeros(b * s, nb + 1, dtype=torch.bool, device=score.device)
     keep.scatter_(1, torch.where(idx >= 0, idx, nb), True)
     keep = keep[:, :nb].view(b, s, nb)
