@@ -69,7 +69,8 @@ def _attn_release_inputs(args):
 
 def attention_fwd(results, args):
     """Forward at the release shape: the default path (FWD_DEFAULT), both kernels explicitly, then the
-    sweep ``args.attn_fwd_cfgs`` (dicts with ``kernel`` "ws" -> fwd_kernel_ws or "lockstep" -> fwd_kernel,
+    sweep ``args.attn_fwd_cfgs`` (dicts with ``kernel`` "ws" -> fwd_kernel_ws, "ws2" -> fwd_kernel_ws2 or
+    "lockstep" -> fwd_kernel,
     the rest its keyword arguments); each variant also prints its distance to the lock-step output
     (cosine diff, max abs) so a broken variant shows next to its time."""
     from functional_dsv41.kernels import reference
@@ -87,8 +88,10 @@ def attention_fwd(results, args):
     o = sa._fwd(q, kv, sink, idx, scale)[0]
     results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
                        bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
-    for impl in ("ws", "lockstep"):
+    for impl in ("ws", "ws2", "lockstep"):
         for block in (64, 128):
+            if impl == "ws2" and block == 128:      # ws2 runs ws at block 128
+                continue
             try:
                 o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
                 results.append(row(f"  _fwd impl={impl} block={block}",
@@ -103,6 +106,9 @@ def attention_fwd(results, args):
             if kind == "ws":
                 ip = sa._pad_idx(idx, 2 * cfg.get("BI", 32))
                 kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg)
+            elif kind == "ws2":
+                ip = sa._pad_idx(idx, cfg.get("BI", 64))
+                kf = sa.fwd_kernel_ws2(H, D, ip.shape[-1], scale, **cfg)
             else:
                 ip = sa._pad_idx(idx, 128)
                 kf = sa.fwd_kernel(H, D, ip.shape[-1], scale, **cfg)
@@ -520,8 +526,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
-    args.attn_fwd_cfgs = [dict(kernel="ws", BI=32, stages=4, early_qk=False), dict(kernel="ws", BI=32, stages=4, nreg=(224, 56)),
-                          dict(kernel="ws", BI=16, stages=8), dict(kernel="ws", BI=48, stages=3, early_qk=False)]
+    # ws2 (D halves per consumer, partial S exchanged): the default row is BI=64/2 stages/Q in shared
+    # memory; variants: early next QK, Q in registers (RS, 3 stages; spills), BI=32 (block-32 recurrence),
+    # P through shared memory, indices from global memory, other register splits
+    args.attn_fwd_cfgs = [dict(kernel="ws2", early=True), dict(kernel="ws2", q_rs=True, stages=3, xpad=0),
+                          dict(kernel="ws2", BI=32, stages=4), dict(kernel="ws2", BI=32, stages=4, early=True),
+                          dict(kernel="ws2", q_rs=True, BI=32, stages=6), dict(kernel="ws2", q_rs=True, p_rs=False),
+                          dict(kernel="ws2", idx_smem=False), dict(kernel="ws2", xpad=0),
+                          dict(kernel="ws2", nreg=(232, 40))]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
     # run 9 measured the generic knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128: all slower); round 2:
     # the window fast path (window=128: the bench's idx has the sliding window in slots 0..127)

@@ -111,10 +111,15 @@ def _check_fwd_impl(q, kv, sink, idx, scale, impl, block):
     warp-specialised kernel moves its running max once per pair of BI = block/2 slots): cosine diff
     < 1e-4, <= 1e-4 of outputs beyond 2 bf16 ulps (only fp32 summation order and exp2 vs exp differ),
     all-hole rows exactly 0; LSE (which the backward consumes) within 1e-3 of the fp32 truth."""
-    from functional_dsv41.kernels import reference
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     o, lse = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)
     eff = 128 if (block == 128 and q.shape[2] % 64 == 0) else 64                      # as _fwd resolves it
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, eff, f"{impl} block={block}")
+
+
+def _check_fwd_out(o, lse, q, kv, sink, idx, scale, eff, tag):
+    """o, lse of a forward kernel against reference.sparse_attn(block=eff) (_check_fwd_impl's bounds)."""
+    from functional_dsv41.kernels import reference
     ref = reference.sparse_attn(q, kv, sink, idx, scale, eff)
     assert o.dtype == torch.bfloat16 and o.shape == ref.shape and lse.shape == q.shape[:3]
     assert torch.isfinite(o.float()).all()
@@ -124,7 +129,7 @@ def _check_fwd_impl(q, kv, sink, idx, scale, impl, block):
     nbad, mx = _close_bf16(o, ref)
     lr = _lse_ref(q, kv, sink, idx, scale)
     lerr = (lse - lr)[~empty].abs().max().item() if (~empty).any() else 0.0
-    print(f"FWDCHK {impl} block={block} {tuple(q.shape)} T={idx.shape[-1]}: cos diff {cd:.2e}, "
+    print(f"FWDCHK {tag} {tuple(q.shape)} T={idx.shape[-1]}: cos diff {cd:.2e}, "
           f"{nbad} beyond 2 ulps (max abs {mx:.2e}), lse max err {lerr:.2e}")
     assert cd < 1e-4
     assert nbad <= o.numel() * 1e-4, (nbad, mx)
@@ -138,10 +143,11 @@ FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "lockstep"])
+@pytest.mark.parametrize("impl", ["ws", "ws2", "lockstep"])
 @pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_impl(shape, impl, block):
-    """Both forward kernels at every shape (H = 16 runs the lock-step kernel under either impl);
+    """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl, ws2 at
+    block 128 runs ws);
     row M//2 all holes, row 1's first 100 slots holes (the max starts from -1e30 there)."""
     _need_tilelang()
     B, M, H, D, N, T = shape
@@ -151,7 +157,7 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "lockstep"])
+@pytest.mark.parametrize("impl", ["ws", "ws2", "lockstep"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
     M, H, D, n_comp = 4096, 64, 512, 2048
@@ -161,6 +167,29 @@ def test_sparse_attn_fwd_impl_release(impl, block):
     sink = torch.randn(H, device=DEV, generator=g)
     idx = _release_idx(M, M, n_comp)
     _check_fwd_impl(q, kv, sink, idx, D ** -0.5, impl, block)
+
+
+# fwd_kernel_ws2 knobs beyond FWD_WS2_CFG (the same list as kernels/bench.py's ws2 sweep, compiled
+# for this shape too): each against the reference with its own block (BI)
+WS2_VARIANTS = [dict(early=True), dict(q_rs=True, stages=3, xpad=0), dict(BI=32, stages=4),
+                dict(BI=32, stages=4, early=True), dict(q_rs=True, BI=32, stages=6), dict(q_rs=True, p_rs=False),
+                dict(idx_smem=False), dict(xpad=0), dict(nreg=(232, 40))]
+
+
+@pytest.mark.parametrize("cfg", WS2_VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("shape", [(1, 40, 64, 512, 500, 200), (2, 64, 64, 512, 700, 640)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_ws2_variants(shape, cfg):
+    """fwd_kernel_ws2 variants (odd block counts at T = 200: 4 blocks of 64 / 7 of 32; 10 / 20 at 640)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    B, M, H, D, N, T = shape
+    q, kv, sink, idx = _attn_inputs(*shape, seed=12)
+    idx[-1, 1, :100] = -1
+    BI = cfg.get("BI", 64)
+    ip = sa._pad_idx(idx, BI)
+    o, lse = sa.fwd_kernel_ws2(H, D, ip.shape[-1], D ** -0.5, **cfg)(q, kv, sink.float(), ip)
+    _check_fwd_out(o, lse, q, kv, sink, idx, D ** -0.5, BI, f"ws2 {cfg}")
 
 
 def test_sparse_attn_fwd_ws_is_default():
