@@ -402,7 +402,8 @@ def indexer(results, args):
     # round 1's unpipelined loads; chunks: 1 = round 1's one CTA per query block, 2x = twice the default
     cfgs = getattr(args, "indexer_cfgs", [dict(BQ=4, BN=128, stages=0), dict(BQ=4, BN=64, stages=2),
                                           dict(BQ=2, BN=128, stages=2), dict(BQ=8, BN=64, stages=2),
-                                          dict(BQ=4, BN=128, stages=3)])
+                                          dict(BQ=4, BN=128, stages=3), dict(hsum="gemm"),
+                                          dict(hsum="gemm", BQ=8, BN=64)])
     topk_threads = getattr(args, "indexer_topk_threads", [256, 512, 1024])
     bwd_cfgs = [dict(stages=0), dict(chunks=1), dict(stages=0, chunks=1), dict(BNk=128)]
     shapes = [(args.m, args.m // 4, 4), (64, 16384, 0), (16, 65536, 0)]

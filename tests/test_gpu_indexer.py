@@ -92,7 +92,8 @@ def test_index_scores_long_rows(bsn):
 
 # the configurations kernels/bench.py sweeps (plus forced entry chunks), each checked against the reference
 SCORE_CFGS = [dict(BQ=4, BN=128, stages=0), dict(BQ=4, BN=64, stages=2), dict(BQ=2, BN=128, stages=2),
-              dict(BQ=8, BN=64, stages=2), dict(BQ=4, BN=128, stages=3), dict(chunks=3), dict(chunks=1)]
+              dict(BQ=8, BN=64, stages=2), dict(BQ=4, BN=128, stages=3), dict(chunks=3), dict(chunks=1),
+              dict(hsum="gemm"), dict(hsum="gemm", BQ=8, BN=64), dict(hsum="gemm", chunks=3)]
 
 
 @pytest.mark.parametrize("cfg", SCORE_CFGS, ids=lambda c: ",".join(f"{a}={v}" for a, v in c.items()))

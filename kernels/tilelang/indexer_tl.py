@@ -44,7 +44,7 @@ BF16, F32, I32 = "bfloat16", "float32", "int32"
 # ----------------------------------------------------------------------------- scoring
 @functools.lru_cache(maxsize=None)
 def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = False, threads: int = 256,
-                 stages: int = 2):
+                 stages: int = 2, hsum: str = "smem"):
     """O = score(Q [B, S, H, D], K [B, N, D], W [B, S, H], Lo [B, S], Hi [B, S][, Cand [B, S, N] int8],
     Chunk [C]).
 
@@ -54,7 +54,13 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
     union of the BQ queries' ranges run a T.Pipelined loop (``stages`` K buffers, cp.async, so the
     next block's K load overlaps this block's GEMM and head sum); the others only store -inf. S a
     multiple of BQ (the launcher pads queries); N any (tails guarded). Per-output rounding is the
-    same whatever C and stages are: the chunks split entries, never the head sum."""
+    same whatever C and stages are: the chunks split entries, never the head sum.
+
+    ``hsum``: how the Hi per-head terms r = bf16(ReLU(bf16(q.k)) * w) of a query are summed. "smem":
+    r in fp32 shared memory, each (query, entry) output adds its Hi terms in order (Hi shared loads
+    per output). "gemm": r stored as bf16 (exact: r IS a bf16 value) and the sums taken by a second
+    tensor-core GEMM, Sel [64, BQ*Hi] (0/1, row t selects query t's heads) x r [BQ*Hi, BN] with fp32
+    accumulation; only the order / rounding of the fp32 partial sums differs (far below a bf16 ulp)."""
     B, S, N, C = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("C")
     M = BQ * H
 
@@ -63,7 +69,12 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
         with T.Kernel(S // BQ, C, B, threads=threads) as (qb, c, bi):
             q_s = T.alloc_shared([M, D], BF16)
             k_s = T.alloc_shared([BN, D], BF16)
-            r_s = T.alloc_shared([M, BN], F32)
+            if hsum == "gemm":
+                r_s = T.alloc_shared([M, BN], BF16)
+                sel_s = T.alloc_shared([64, M], BF16)
+                s_acc = T.alloc_fragment([64, BN], F32)
+            else:
+                r_s = T.alloc_shared([M, BN], F32)
             w_f = T.alloc_fragment([M], F32)
             acc = T.alloc_fragment([M, BN], F32)
             lo_s = T.alloc_shared([BQ], I32)
@@ -85,6 +96,9 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
             for t in T.Parallel(BQ):
                 lo_s[t] = Lo[bi, q0 + t]
                 hi_s[t] = Hi[bi, q0 + t]
+            if hsum == "gemm":
+                for r, m in T.Parallel(64, M):
+                    sel_s[r, m] = T.if_then_else(m // H == r, T.Cast(BF16, 1.0), T.Cast(BF16, 0.0))
             jlo = N
             jhi = 0
             for t in T.serial(BQ):
@@ -100,18 +114,29 @@ def score_kernel(H: int, D: int, BQ: int = 4, BN: int = 128, has_cand: bool = Fa
                 j0 = (v_lo + i) * BN
                 T.copy(K[bi, j0:j0 + BN, :], k_s)
                 T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for m, j in T.Parallel(M, BN):
-                    r_s[m, j] = T.Cast(F32, T.Cast(BF16, T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0) * w_f[m]))
-                for t, j in T.Parallel(BQ, BN):
-                    if j0 + j < N:
-                        acc_t = T.alloc_var(F32)
-                        acc_t = 0.0
-                        for h in T.serial(H):
-                            acc_t += r_s[t * H + h, j]
-                        vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t])
-                        if has_cand:
-                            vis = vis and (Cand[bi, q0 + t, j0 + j] != 0)
-                        O[bi, q0 + t, j0 + j] = T.if_then_else(vis, T.Cast(BF16, acc_t), -T.infinity(BF16))
+                if hsum == "gemm":
+                    for m, j in T.Parallel(M, BN):
+                        r_s[m, j] = T.Cast(BF16, T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0) * w_f[m])
+                    T.gemm(sel_s, r_s, s_acc, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for t, j in T.Parallel(64, BN):
+                        if t < BQ and j0 + j < N:
+                            vis_g = (j0 + j >= lo_s[t % BQ]) and (j0 + j < hi_s[t % BQ])
+                            if has_cand:
+                                vis_g = vis_g and (Cand[bi, q0 + t % BQ, j0 + j] != 0)
+                            O[bi, q0 + t % BQ, j0 + j] = T.if_then_else(vis_g, T.Cast(BF16, s_acc[t, j]), -T.infinity(BF16))
+                else:
+                    for m, j in T.Parallel(M, BN):
+                        r_s[m, j] = T.Cast(F32, T.Cast(BF16, T.max(T.Cast(F32, T.Cast(BF16, acc[m, j])), 0.0) * w_f[m]))
+                    for t, j in T.Parallel(BQ, BN):
+                        if j0 + j < N:
+                            acc_t = T.alloc_var(F32)
+                            acc_t = 0.0
+                            for h in T.serial(H):
+                                acc_t += r_s[t * H + h, j]
+                            vis = (j0 + j >= lo_s[t]) and (j0 + j < hi_s[t])
+                            if has_cand:
+                                vis = vis and (Cand[bi, q0 + t, j0 + j] != 0)
+                            O[bi, q0 + t, j0 + j] = T.if_then_else(vis, T.Cast(BF16, acc_t), -T.infinity(BF16))
             for e in T.serial(per):
                 nb = b_lo + e
                 if nb < b_hi and (nb < v_lo or nb >= v_hi):
@@ -487,7 +512,7 @@ def bwd_k_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = Fal
 
 
 # ----------------------------------------------------------------------------- launch helpers
-SCORE_CFG = dict(BQ=4, BN=128, threads=256, stages=2)
+SCORE_CFG = dict(BQ=4, BN=128, threads=256, stages=2, hsum="smem")
 TOPK_THREADS = None     # None: by row length (_topk_threads); an int forces one count
 TOPK_AGG = False        # warp-aggregated histogram atomics in the top-k kernel (bench: "agg")
 WAVES = 2               # entry chunks aim at WAVES * SMs CTAs when the query blocks alone do not fill the GPU
