@@ -34,6 +34,23 @@ def golden(name: str) -> dict[str, torch.Tensor]:
     return _GOLDEN_CACHE[name]
 
 
+def block_input(g: dict, cfg, L: int):
+    """Teacher forcing: the golden input (h [b, s, hc, dim], pre [b, s, hc]) of backbone block L of a prefill
+    golden file — the embedding broadcast over the streams for block 0, else block L-1's h / pre_mix, and the
+    Engram output where block L starts with Engram."""
+    P = int(g["prefill_len"])
+    if L == 0:
+        b = g["input_ids"].shape[0]
+        h = g["prefill.embed"].unsqueeze(2).expand(b, P, cfg.hc_mult, cfg.dim).contiguous()
+        pre = torch.zeros(b, P, cfg.hc_mult)
+        pre[..., 0] = 1
+    else:
+        h, pre = g[f"prefill.layer.{L - 1}.h"], g[f"prefill.layer.{L - 1}.pre_mix"]
+    if f"prefill.layer.{L}.engram_out" in g:
+        h = g[f"prefill.layer.{L}.engram_out"]
+    return h, pre
+
+
 def cosine_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """DESIGN.md metric: 1 - 2<x,y>/(|x|^2+|y|^2) in float64."""
     x, y = x.double().flatten(), y.double().flatten()

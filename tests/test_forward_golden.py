@@ -14,7 +14,7 @@ import functional_dsv41 as fd
 from functional_dsv41.model import block, make_chunk
 from functional_dsv41.state import SharedAttention
 
-from conftest import cosine_diff, fixture_dir, golden
+from conftest import block_input, cosine_diff, fixture_dir, golden
 
 FIXTURES = ["tiny-bf16", "tiny-fp8"]
 _CACHE = {}
@@ -109,18 +109,10 @@ def test_teacher_forced_blocks(name):
     cfg, params, g = setup(name)
     P = int(g["prefill_len"])
     ids = g["input_ids"][:, :P]
-    b = ids.shape[0]
     chunk = make_chunk({"input_ids": ids}, 0, ids.device)
     shared = SharedAttention()
     for L in cfg.layer_ids:
-        if L == 0:
-            h = g["prefill.embed"].unsqueeze(2).expand(b, P, cfg.hc_mult, cfg.dim).contiguous()
-            pre = torch.zeros(b, P, cfg.hc_mult)
-            pre[..., 0] = 1
-        else:
-            h, pre = g[f"prefill.layer.{L - 1}.h"], g[f"prefill.layer.{L - 1}.pre_mix"]
-        if f"prefill.layer.{L}.engram_out" in g:
-            h = g[f"prefill.layer.{L}.engram_out"]
+        h, pre = block_input(g, cfg, L)
         dbg = {}
         h2, pre2, _, shared = block(params["layers"][L], h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=None,
                                     shared=shared, debug=dbg)

@@ -16,7 +16,7 @@ import functional_dsv41 as fd
 from functional_dsv41.model import block, make_chunk
 from functional_dsv41.state import SharedAttention
 
-from conftest import cosine_diff, fixture_dir, golden
+from conftest import block_input, cosine_diff, fixture_dir, golden
 
 pytestmark = pytest.mark.gpu
 
@@ -34,18 +34,10 @@ def test_teacher_forced_blocks_on_gpu(name, impl):
     tol = 1e-4 if cfg.dtype == "bf16" else 1e-3
     P = int(g["prefill_len"])
     ids = g["input_ids"][:, :P].cuda()
-    b = ids.shape[0]
     chunk = make_chunk({"input_ids": ids}, 0, ids.device)
     shared, report, worst = SharedAttention(), [], 0.0
     for L in cfg.layer_ids:
-        if L == 0:
-            h = g["prefill.embed"].unsqueeze(2).expand(b, P, cfg.hc_mult, cfg.dim).contiguous()
-            pre = torch.zeros(b, P, cfg.hc_mult)
-            pre[..., 0] = 1
-        else:
-            h, pre = g[f"prefill.layer.{L - 1}.h"], g[f"prefill.layer.{L - 1}.pre_mix"]
-        if f"prefill.layer.{L}.engram_out" in g:
-            h = g[f"prefill.layer.{L}.engram_out"]
+        h, pre = block_input(g, cfg, L)
         dbg = {}
         h2, pre2, _, shared = block(params["layers"][L], h.cuda(), pre.cuda(), cfg=cfg, layer_id=L, chunk=chunk,
                                     cache=None, shared=shared, impl=impl, debug=dbg)
