@@ -473,6 +473,9 @@ def indexer(results, args):
         dI = torch.randn_like(out).masked_fill(torch.isneginf(out), 0)
         results.append(row("index_scores bwd (dq, dk, dw) tilelang path",
                            bench(lambda: torch.autograd.grad(out, (qg, kg, wg), dI, retain_graph=True), 2, 10), 3 * fl))
+        for part in ("q", "k"):
+            results.append(row(f"  bwd {'dq/dw' if part == 'q' else 'dk'} kernel alone (default cfg, incl. zero-fill)",
+                               bench(lambda: it._score_bwd(q, k, w, lo, hi, None, dI, only=part), 2, 10), 2 * fl))
         for bc in bwd_cfgs:
             try:
                 results.append(row(f"  bwd kernels {json.dumps(bc, separators=(',', ':'))}",

@@ -603,12 +603,12 @@ def _score_bwd_torch(q, k, w, lo, hi, cand, dI):
     return torch.einsum("bshn,bnd->bshd", ds, k), torch.einsum("bshn,bshd->bnd", ds, q), dw
 
 
-def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
+def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None, only=None):
     """dq, dk, dw of the scores: the two backward kernels (queries padded to BQ; padded rows see nothing).
     cfg: BQ, threads of both kernels; BN, stages and chunks of the dq / dw kernel (chunks > 1 splits
     the entries over CTAs and sums partial dq / dw with fp32 atomics; default by _chunks); BNk the
     entry block of the dk kernel (128 halves its q reloads; the dq kernel's three [M, BN] fp32 tiles
-    do not fit registers at BN = 128)."""
+    do not fit registers at BN = 128). ``only`` = "q" / "k" runs one kernel (bench breakdown)."""
     if not BWD_KERNEL:
         return _score_bwd_torch(q, k, w, lo, hi, cand, dI)
     cfg = dict(BWD_CFG, **(cfg or {}))
@@ -636,16 +636,22 @@ def _score_bwd(q, k, w, lo, hi, cand, dI, cfg=None):
     sms = _sm_count(k.device)
     c = _chunks(sp // BQ * b, max(1, nblk), sms, chunks)
     qcfg = dict(BQ=BQ, BN=BN, threads=cfg["threads"], stages=stages)
-    if c == 1:
+    if only == "k":
+        dq = dw = None
+    elif c == 1:
         dq, dw = bwd_q_kernel(H, D, has_cand=cp is not None, **qcfg)(*args, _chunk_arg(1, k.device))
     else:       # few query blocks: entry chunks, partial dq / dw summed with fp32 atomics
         dq = torch.zeros(b, sp, H, D, dtype=torch.float32, device=q.device)
         dw = torch.zeros(b, sp, H, dtype=torch.float32, device=q.device)
         bwd_q_kernel(H, D, has_cand=cp is not None, split=True, **qcfg)(*args, _chunk_arg(c, k.device), dq, dw)
+    if only == "q":
+        return dq, None, dw
     dk = torch.zeros(b, n, D, dtype=torch.float32, device=k.device)
     P = max(1, min(sp // BQ, -(-2 * sms // max(1, -(-n // BNk) * b))))
     split = torch.empty(P, dtype=torch.int32, device=k.device)
     bwd_k_kernel(H, D, BQ=BQ, BN=BNk, has_cand=cp is not None, threads=cfg["threads"])(*args, split, dk)
+    if only == "k":
+        return None, dk, None
     return dq[:, :s].to(q.dtype), dk.to(k.dtype), dw[:, :s].to(w.dtype)
 
 
