@@ -184,9 +184,10 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
             if W:                                                      # window fast path: 3 kernels
                 pw, dsw = parts["pw"], parts["dsw"]
                 kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"],
-                                  window=W, BQ=k["win_BQ"])
+                                  window=W, BQ=k["win_BQ"], fuse_delta=k["fuse_delta"])
                 results.append(row("  of which the dq kernel (writes P, dS; window shifted)",
-                                   bench(lambda: kq(q, kv, do, idx, lse, delta, pw, dsw)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
+                                   bench(lambda: kq(q, kv, do, o, idx, lse, delta, pw, dsw)), 0.6 * fl_b, None,
+                                   "3 of 5 GEMMs" + ("; + delta" if k["fuse_delta"] else "")))
                 kw = sb.dkv_window_kernel(H, D, W=W, BQ=k["win_BQ"], base=k["win_base"], DC=min(k["win_DC"], D),
                                           stages=k["win_stages"], threads=k["win_threads"])
                 results.append(row(f"  of which the dkv window kernel (slots 0..{W - 1})",
@@ -545,7 +546,8 @@ def main(argv=None):
                                 dict(window=128, win_threads=128), dict(window=128, win_DC=128),
                                 dict(window=128, win_DC=128, win_threads=128), dict(window=128, win_stages=3),
                                 dict(window=128, win_stages=1), dict(window=128, dq_stages=0),
-                                dict(window=128, dkv_stages=3)]
+                                dict(window=128, dkv_stages=3), dict(window=128, fuse_delta=True),
+                                dict(window=128, fuse_delta=True, dq_stages=0)]
     args.gemm_cfgs = [dict(async_promote=True), dict(async_promote=False),      # v1 (default) first
                       *[dict(variant="v2", **c) for c in GEMM_V2_CFGS]]
     args.fp4_gemm_cfgs = [dict(stages=3), *[dict(variant="v2", **c) for c in FP4_GEMM_V2_CFGS]]

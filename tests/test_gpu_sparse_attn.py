@@ -364,12 +364,14 @@ def _window_case(M, base, n_comp, seed):
 
 
 @pytest.mark.parametrize("case", [(4096, 0, 2048), (200, 7, 600)], ids=lambda c: "M%d_base%d" % c[:2])
-@pytest.mark.parametrize("cfg", [{}, dict(win_threads=128), dict(win_DC=128)], ids=lambda c: str(c) if c else "default")
+@pytest.mark.parametrize("cfg", [{}, dict(win_threads=128), dict(win_DC=128), dict(fuse_delta=True)],
+                         ids=lambda c: str(c) if c else "default")
 def test_sparse_attn_bwd_split_window(case, cfg, split_bwd):
     """bwd_split(window=128): the window slots' dkv through dkv_window_kernel (shifted P / dS, one
     register accumulation per 64 queries), the rest through dkv_kernel(t0=128); M=200 leaves a
     partial last query block. Against the fp32 truth (same rule as _check_grads) and against the
-    generic split path (same bf16 P / dS, only the fp32 summation order differs)."""
+    generic split path (same bf16 P / dS, only the fp32 summation order differs; fuse_delta: delta
+    summed in another order, so P / dS may differ by a bf16 rounding here and there)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
     sa = split_bwd
     M, base, n_comp = case

@@ -46,7 +46,7 @@ def _head_block(H: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 1, threads: int = 256,
-              window: int = 0, BQ: int = 64):
+              window: int = 0, BQ: int = 64, fuse_delta: bool = False):
     """dq, P, dS = dq_kernel(q, kv, do, idx, lse, delta); P, dS bf16 [B, M, H, TP] (0 at holes).
 
     threads 256: two warpgroups split every GEMM's N (dq [64, 512] fp32 = 128 registers a thread;
@@ -55,9 +55,14 @@ def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int =
     window W > 0 (a multiple of BI): dq, P, dS = dq_kernel(q, kv, do, idx, lse, delta, Pw, dSw): the
     window slots' P / dS go to Pw / dSw [B, MP, H, W + BQ] instead, shifted by s = m % BQ lines
     (Pw[m, h, s + t] = P[m, h, t], zeros on the other lines) for ``dkv_window_kernel``; P / dS
-    columns [0, W) are then left unwritten. The shifted stores are scalar (s is any offset)."""
+    columns [0, W) are then left unwritten. The shifted stores are scalar (s is any offset).
+    The window variant takes o too: dq_kernel(q, kv, do, o, idx, lse, delta, Pw, dSw); with
+    fuse_delta it computes delta = rowsum(dO * O) itself (dO is in shared memory already; saves the
+    delta kernel's second read of dO, 268 MB at the release shape) and writes it into ``delta``."""
     if window:
-        return _dq_window_kernel(H, D, TP, scale, BI, stages, threads, window, BQ)
+        return _dq_window_kernel(H, D, TP, scale, BI, stages, threads, window, BQ, fuse_delta)
+    if fuse_delta:
+        raise ValueError("dq_kernel: fuse_delta needs window > 0 (the window variant's signature)")
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     BH = _head_block(H)
     NI = TP // BI
@@ -121,12 +126,14 @@ def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int =
 
 
 @functools.lru_cache(maxsize=None)
-def _dq_window_kernel(H: int, D: int, TP: int, scale: float, BI: int, stages: int, threads: int, W: int, BQ: int):
+def _dq_window_kernel(H: int, D: int, TP: int, scale: float, BI: int, stages: int, threads: int, W: int, BQ: int,
+                      fuse_delta: bool):
     """``dq_kernel`` with the window slots' P / dS written shifted to Pw / dSw (see there)."""
     B, M, MP, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("MP"), T.dynamic("N")
     BH = _head_block(H)
     NI = TP // BI
     LW = W + BQ
+    DCH = 64                                                          # delta: O read in D chunks of 64
     c = float(scale) * LOG2E
     if W % BI or W > TP:
         raise ValueError(f"dq_kernel: window {W} must be a multiple of BI {BI} and <= TP {TP}")
@@ -136,6 +143,7 @@ def _dq_window_kernel(H: int, D: int, TP: int, scale: float, BI: int, stages: in
         Q: T.Tensor([B, M, H, D], BF16),
         KV: T.Tensor([B, N, D], BF16),
         dO: T.Tensor([B, M, H, D], BF16),
+        O: T.Tensor([B, M, H, D], BF16),
         Idx: T.Tensor([B, M, TP], I32),
         Lse: T.Tensor([B, M, H], F32),
         Delta: T.Tensor([B, M, H], F32),
@@ -163,7 +171,20 @@ def _dq_window_kernel(H: int, D: int, TP: int, scale: float, BI: int, stages: in
             T.copy(Q[bi, mi, h0:h0 + BH, :], q_s)
             T.copy(dO[bi, mi, h0:h0 + BH, :], do_s)
             T.copy(Lse[bi, mi, h0:h0 + BH], lse)
-            T.copy(Delta[bi, mi, h0:h0 + BH], delta)
+            if fuse_delta:
+                dacc = T.alloc_fragment([BH, DCH], F32)
+                dsum = T.alloc_fragment([BH], F32)
+                dsum_s = T.alloc_shared([BH], F32)                    # re-layout: reduce -> delta
+                T.clear(dacc)
+                for kc in T.serial(D // DCH):
+                    for h, d in T.Parallel(BH, DCH):
+                        dacc[h, d] += T.cast(O[bi, mi, h0 + h, kc * DCH + d], F32) * T.cast(do_s[h, kc * DCH + d], F32)
+                T.reduce_sum(dacc, dsum, dim=1)
+                T.copy(dsum, dsum_s)
+                T.copy(dsum_s, delta)
+                T.copy(dsum_s, Delta[bi, mi, h0:h0 + BH])
+            else:
+                T.copy(Delta[bi, mi, h0:h0 + BH], delta)
             T.clear(acc_dq)
             for h, l in T.Parallel(BH, LW):                           # the lines no slot lands on
                 if l < sh or l >= sh + W:
@@ -197,7 +218,7 @@ def _dq_window_kernel(H: int, D: int, TP: int, scale: float, BI: int, stages: in
             T.copy(acc_dq, q_s)
             T.copy(q_s, dQ[bi, mi, h0:h0 + BH, :])
 
-    return compile_kernel(sparse_attn_bwd_dq_window, out_idx=[8, 9, 10])
+    return compile_kernel(sparse_attn_bwd_dq_window, out_idx=[9, 10, 11])
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,7 +341,8 @@ def dkv_window_kernel(H: int, D: int, W: int = 128, BQ: int = 64, base: int = 0,
 # checked on the device unless win_check=False); those slots then go through dkv_window_kernel with
 # the win_* knobs, the rest through dkv_kernel (t0 = W).
 DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, dkv_BI=64, DC=128, dkv_stages=2, dkv_threads=128, dkv_ws=False,
-                   dkv_pad=8, window=0, win_base=0, win_BQ=64, win_DC=64, win_stages=2, win_threads=384, win_check=True)
+                   dkv_pad=8, window=0, win_base=0, win_BQ=64, win_DC=64, win_stages=2, win_threads=384, win_check=True,
+                   fuse_delta=False)
 
 
 def check_window(idx, W: int, base: int = 0) -> bool:
@@ -343,8 +365,12 @@ def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, part
     if TP % k["BI"] or TP % k["dkv_BI"]:
         raise ValueError(f"bwd_split: BI {k['BI']} and dkv_BI {k['dkv_BI']} must divide 128")
     q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
-    delta = delta_kernel(H, D)(o.reshape(B * M, H, D), do.reshape(B * M, H, D)).view(B, M, H)
     W = k["window"]
+    o = o.contiguous()
+    if W and k["fuse_delta"]:
+        delta = torch.empty(B, M, H, dtype=torch.float32, device=q.device)   # written by the dq kernel
+    else:
+        delta = delta_kernel(H, D)(o.reshape(B * M, H, D), do.reshape(B * M, H, D)).view(B, M, H)
     if W and k["win_check"] and not check_window(idx, W, k["win_base"]):
         raise ValueError(f"bwd_split: window={W} given but idx[..., :{W}] is not a sliding window "
                          f"(base {k['win_base']})")
@@ -357,7 +383,7 @@ def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, part
         pw[:, M:].zero_()
         dsw[:, M:].zero_()
         dq, p, ds = dq_kernel(H, D, TP, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"],
-                              window=W, BQ=BQ)(q, kv, do, idx, lse, delta, pw, dsw)
+                              window=W, BQ=BQ, fuse_delta=k["fuse_delta"])(q, kv, do, o, idx, lse, delta, pw, dsw)
         dkv_window_kernel(H, D, W=W, BQ=BQ, base=k["win_base"], DC=min(k["win_DC"], D), stages=k["win_stages"],
                           threads=k["win_threads"])(q, do, pw, dsw, dkv)
     else:
