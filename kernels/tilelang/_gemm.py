@@ -25,18 +25,33 @@ F32 = "float32"
 FULL_ROW = T.GemmWarpPolicy.FullRow
 
 
-def promote_loop(BM: int, BN: int, SB: int, async_promote: bool):
+def promote_loop(BM: int, BN: int, SB: int, async_promote: bool, per_col: bool = False):
     """A macro ``body(a_s, b_s, sa, sb, acc, tmp0, tmp1, sp)`` for one K tile (all SB slices).
 
-    tmp0/tmp1: [BM, BN] fp32 fragments (tmp1 unused unless async_promote); sp: [BM, BN // 32] fp32 fragment."""
+    tmp0/tmp1: [BM, BN] fp32 fragments (tmp1 unused unless async_promote); sp: [BM, BN // 32] fp32 fragment
+    (unused with per_col).
+
+    ``per_col=False`` (fp8 weights: one scale per 32x32 block, so ``sb`` is constant over 32 output
+    columns): the scale product is precomputed per (row, 32-column block), one FFMA per element.
+    ``per_col=True`` (fp4 weights: one e8m0 scale per output column and 32-deep K block, [N, K/32]):
+    ``acc[i, j] += (tmp[i, j] * sb[j, kk]) * sa[i, kk]``, an FMUL and an FFMA per element (both scales
+    are powers of two, so the product is exact and the FFMA rounds like the reference's
+    multiply-then-add). A thread holds 2 rows x BN/4 columns of the m64 fragment: 2 ``sa`` and BN/4
+    ``sb`` shared loads per slice (the loads are shared between the two rows)."""
     NC = BN // 32
 
-    @T.macro
-    def promote(tmp, sa, sb, acc, sp, kk):
-        for i, c in T.Parallel(BM, NC):
-            sp[i, c] = sa[i, kk] * sb[c * 32, kk]
-        for i, j in T.Parallel(BM, BN):
-            acc[i, j] += tmp[i, j] * sp[i, j // 32]
+    if per_col:
+        @T.macro
+        def promote(tmp, sa, sb, acc, sp, kk):
+            for i, j in T.Parallel(BM, BN):
+                acc[i, j] += (tmp[i, j] * sb[j, kk]) * sa[i, kk]
+    else:
+        @T.macro
+        def promote(tmp, sa, sb, acc, sp, kk):
+            for i, c in T.Parallel(BM, NC):
+                sp[i, c] = sa[i, kk] * sb[c * 32, kk]
+            for i, j in T.Parallel(BM, BN):
+                acc[i, j] += tmp[i, j] * sp[i, j // 32]
 
     if not async_promote:
         @T.macro

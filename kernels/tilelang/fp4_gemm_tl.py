@@ -11,8 +11,10 @@ lands on the e4m3 subnormal 2^-7, the normal codes keep their exponent offset), 
 two masks and two shifts; the 2^6 is folded into B's fp32 scales on the host (exact: powers of two).
 
 ``variant="v1"`` (default until measured) is the loop below; ``variant="v2"`` runs the converted tile
-through the shared main loop of ``_gemm.py`` (FullRow warpgroups, scale product precomputed per
-(row, 32-column block), optional async promotion), the same loop as the fp8 GEMM's v2.
+through the shared main loop of ``_gemm.py`` (FullRow warpgroups, optional async promotion) with
+``per_col=True``: fp4 weight scales are per output column (not per 32x32 block as fp8's), so the
+promotion is ``acc += (tmp * sb[col]) * sa[row]`` (FMUL + FFMA), not the fp8 loop's precomputed
+per-32-column product (run 9: that form made every fp4 v2 variant fail, cosine diff ~0.5).
 """
 import functools
 
@@ -57,7 +59,7 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
     v2 = variant == "v2"
     if v2:
         assert BN % 32 == 0 and BM == 64 * (threads // 128)
-        body = promote_loop(BM, BN, SB, async_promote)
+        body = promote_loop(BM, BN, SB, async_promote, per_col=True)   # fp4: per-column scales
 
     @T.prim_func
     def fp4_gemm(
@@ -77,7 +79,6 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
             tmp = T.alloc_fragment([BM, BN], F32)
             if v2:
                 tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
-                sp = T.alloc_fragment([BM, BN // 32], F32)
             c_s = T.alloc_shared([BM, BN], BF16)
             T.use_swizzle(swizzle)
             T.clear(acc)
@@ -99,7 +100,7 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
                 T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
                 T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
                 if v2:
-                    body(a_s, b_s, sa, sb, acc, tmp, tmp1, sp)
+                    body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
                 else:
                     for kk in T.unroll(SB):
                         T.gemm(a_s[:, kk * 32:(kk + 1) * 32], b_s[:, kk * 32:(kk + 1) * 32], tmp,

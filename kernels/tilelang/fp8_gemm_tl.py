@@ -7,9 +7,10 @@ scales: ``acc += tmp * sa[m, kb] * sb[n // 32, kb]`` (the release kernel's order
 scale, accumulate in fp32). With ``async_promote`` the WGMMA of slice kk+1 is issued before slice
 kk is promoted (two temporaries), so the tensor cores and the FMA pipe overlap inside a warpgroup.
 
-``variant="v1"`` (default until measured) is the loop below; ``variant="v2"`` is the shared main loop of
-``_gemm.py`` (FullRow warpgroups, scale product precomputed per (row, 32-column block): one FFMA per
-element), also used by the fp4 GEMM.
+``variant="v2"`` (the default since run 9, with BN=192 and synchronous promotion) is the shared main loop
+of ``_gemm.py`` (FullRow warpgroups, scale product precomputed per (row, 32-column block): one FFMA per
+element), also used by the fp4 GEMM; ``variant="v1"`` is the loop below (two scale loads + FMUL + FFMA per
+element); ``variant="v3"`` is the warp-specialised ping-pong kernel (``_fp8_gemm_v3``).
 """
 import functools
 
@@ -25,10 +26,17 @@ BF16, F32, FP8 = "bfloat16", "float32", "float8_e4m3fn"
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128, stages: int = 4,
-                    threads: int = 256, async_promote: bool = True, swizzle: int = 8, variant: str = "v1"):
+def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 4,
+                    threads: int = 256, async_promote: bool = False, swizzle: int = 8, variant: str = "v2",
+                    order: str = "done", nreg: tuple = (240, 24)):
+    """The compiled kernel for one (N, K) and configuration. Defaults = the measured best (run 9, H200,
+    4096x5120x5120: v2 BN=192 sync promotion 550 TFLOP/s vs v1 387, v2 BN=128 477); v1 is kept for
+    the sweep (pass ``variant="v1", BN=128, async_promote=True`` for its old default). ``order``/``nreg``:
+    the v3 kernel's own knobs (ignored by v1/v2); v3 fixes BM = 128 and 384 threads."""
     if variant == "v2":
         return _fp8_gemm_v2(N, K, BM, BN, BK, stages, threads, async_promote, swizzle)
+    if variant == "v3":
+        return _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order, tuple(nreg))
     assert variant == "v1", variant
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
@@ -130,6 +138,131 @@ def _fp8_gemm_v2(N, K, BM, BN, BK, stages, threads, async_promote, swizzle):
             T.copy(c_s, C[by * BM, bx * BN])
 
     return compile_kernel(fp8_gemm_v2, out_idx=[4])
+
+
+def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple = (240, 24)):
+    """v3: explicitly warp-specialised ping-pong (384 threads, BM = 128).
+
+    Why: in v2 the two consumer warpgroups wait on the same "stage full" barrier every K tile, so they
+    restart each tile in lock step: both issue their WGMMA together, both wait, both promote together,
+    and the tensor core idles during the promotion (one FFMA per element per 32-deep slice costs about
+    as many cycles on the FP32 pipe as the slice's WGMMA on the tensor core). Here the order is enforced:
+
+    * warpgroup 2, the producer (``nreg[1]`` registers), TMA-loads A [128, BK], B [BN, BK] and their
+      fp32 scales into ring stage k % stages (``full[s]``: 128 arrivals + the TMA bytes), after both
+      consumers released it (``empty[s]``, 256 arrivals);
+    * consumer warpgroup w in {0, 1} (``nreg[0]`` registers) owns output rows [64 w, 64 w + 64) of the
+      tile (its own accumulator, m64 x nBN WGMMAs) and runs every 32-deep slice g as
+      WGMMA -> promote; the two take turns on the tensor core through the ``turn`` mbarriers: consumer
+      1 issues slice g after consumer 0 handed over slice g, consumer 0 issues slice g + 1 after
+      consumer 1 handed over slice g. ``order="done"`` hands over when the WGMMA has completed
+      (strict alternation: one consumer's promotion overlaps the other's WGMMA); ``order="issue"``
+      right after issuing it (the peer's WGMMA queues behind, so the tensor core never waits for a
+      hand-over, at the price of both WGMMAs sharing it); ``order="none"``: no turns (v2's schedule,
+      explicit pipeline, for comparison).
+
+    Numerics: those of v2 (``_gemm.promote_loop``, fp8 32x32 weight blocks: one FFMA per element).
+    Deadlock freedom: each turn barrier's phase g completes on one peer arrival and is waited on once;
+    a consumer can complete phase g + 1 of its peer's barrier only after waiting on its own barrier's
+    phase g, which the peer completes after having waited phase g, so no barrier runs a phase ahead
+    of its waiter. Registers: acc + tmp = BN/2 fp32 each per thread (192 at BN=192) + the scale products.
+    Shared memory: stages * (128 + BN) * (BK + BK/8) bytes + 128 * BN * 2 (the bf16 output tile).
+    """
+    M = T.dynamic("M")
+    BM = 128
+    KB, SB, NK = K // 32, BK // 32, K // BK
+    G = NK * SB                                  # 32-deep slices per tile
+    if K % BK or BK % 128:
+        # the scale tiles go through TMA: a [rows, BK/32] fp32 box needs >= 16 bytes a row and the
+        # [M, K/32] scale tensors a 16-byte row stride, so BK and K must be multiples of 128
+        raise ValueError(f"fp8_gemm v3: K={K}, BK={BK}: both must be multiples of 128 (TMA scale tiles)")
+    assert BN % 32 == 0 and order in ("done", "issue", "none")
+    assert 2 * nreg[0] + nreg[1] <= 504, nreg
+    smem = stages * (BM + BN) * (BK + SB * 4) + BM * BN * 2
+    if smem > 227 * 1024 - 1024:
+        raise ValueError(f"fp8_gemm v3: shared memory {smem} B over 227 KB")
+    HALF = BM // 2
+    NC = BN // 32
+
+    @T.macro
+    def consumer(w, acc, tmp, sp, a_s, b_s, sa, sb, c_s, full, empty, turn, done, C, bx, by):
+        T.clear(acc)
+        for k in T.serial(NK):
+            s = k % stages
+            T.barrier_wait(full[s], (k // stages) % 2)
+            for kk in T.unroll(SB):
+                g = k * SB + kk
+                if order != "none":
+                    if w == 0:
+                        if g > 0:
+                            T.barrier_wait(turn[0], (g - 1) % 2)
+                    else:
+                        T.barrier_wait(turn[1], g % 2)
+                T.wgmma_gemm(a_s[s, w * HALF:(w + 1) * HALF, kk * 32:(kk + 1) * 32],
+                             b_s[s, :, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
+                if order == "issue":
+                    T.barrier_arrive(turn[1 - w])
+                T.wait_wgmma(0)
+                if order == "done":
+                    T.barrier_arrive(turn[1 - w])
+                for i, c in T.Parallel(HALF, NC):
+                    sp[i, c] = sa[s, w * HALF + i, kk] * sb[s, c * 32, kk]
+                for i, j in T.Parallel(HALF, BN):
+                    acc[i, j] += tmp[i, j] * sp[i, j // 32]
+            T.barrier_arrive(empty[s])
+        # both consumers are past their last read of the stages before either writes c_s
+        # (the shared-memory planner may overlay c_s on them)
+        T.barrier_arrive(done)
+        T.barrier_wait(done, 0)
+        T.copy(acc, c_s)
+        T.copy(c_s, C[by * BM + w * HALF, bx * BN])
+
+    @T.prim_func
+    def fp8_gemm_v3(
+        A: T.Tensor([M, K], FP8),
+        As: T.Tensor([M, KB], F32),
+        Bm: T.Tensor([N, K], FP8),
+        Bs: T.Tensor([N, KB], F32),
+        C: T.Tensor([M, N], BF16),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=384) as (bx, by):
+            a_s = T.alloc_shared([stages, BM, BK], FP8)
+            b_s = T.alloc_shared([stages, BN, BK], FP8)
+            sa = T.alloc_shared([stages, BM, SB], F32)
+            sb = T.alloc_shared([stages, BN, SB], F32)
+            c_s0 = T.alloc_shared([HALF, BN], BF16)      # each consumer's bf16 output tile
+            c_s1 = T.alloc_shared([HALF, BN], BF16)
+            acc0 = T.alloc_fragment([HALF, BN], F32)
+            tmp0 = T.alloc_fragment([HALF, BN], F32)
+            sp0 = T.alloc_fragment([HALF, NC], F32)
+            acc1 = T.alloc_fragment([HALF, BN], F32)
+            tmp1 = T.alloc_fragment([HALF, BN], F32)
+            sp1 = T.alloc_fragment([HALF, NC], F32)
+            full = T.alloc_barrier(arrive_count=[128] * stages)
+            empty = T.alloc_barrier(arrive_count=[256] * stages)
+            turn = T.alloc_barrier(arrive_count=[128, 128])
+            done = T.alloc_barrier(arrive_count=256)
+            T.use_swizzle(swizzle)
+
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(0, acc0, tmp0, sp0, a_s, b_s, sa, sb, c_s0, full, empty, turn, done, C, bx, by)
+            elif tx < 256:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(1, acc1, tmp1, sp1, a_s, b_s, sa, sb, c_s1, full, empty, turn, done, C, bx, by)
+            else:
+                T.set_max_nreg(nreg[1], 0)
+                for k in T.serial(NK):
+                    s = k % stages
+                    T.barrier_wait(empty[s], ((k // stages) % 2) ^ 1)
+                    T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
+                    T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
+                    T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
+                    T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
+                    T.barrier_arrive(full[s])
+
+    return compile_kernel(fp8_gemm_v3, out_idx=[4])
 
 
 def _scales(s: torch.Tensor) -> torch.Tensor:
