@@ -18,6 +18,15 @@ writes it; delta = dO . O). Math as in ``sparse_attn_tl`` (the single-kernel "at
    Same number of atomic adds as the single kernel, but 4 floats per instruction instead of 2, rows
    contiguous, and the adds overlap other CTAs' GEMMs (2 CTAs/SM at DC=128).
 
+3. Window fast path (``bwd_split`` cfg ``window=W``, the caller's promise that slots [0, W) are a
+   sliding window: row m - W + 1 + t + base or -1; checked on the device, one host sync, unless
+   ``win_check=False``): the dq kernel writes those slots' P / dS shifted by m % BQ into [.., W + BQ]
+   buffers and ``dkv_window_kernel`` sums BQ = 64 consecutive queries in registers (they share
+   W - 1 of their W rows) with one atomic per row at the end; ``dkv_kernel(t0=W)`` does the rest.
+   ``fuse_delta`` (window variant only): the dq kernel computes delta itself (no delta kernel).
+   The model's window layout (valid slots first, so queries before position W - 1 differ) does not
+   pass the check; only the bench / release-shaped index lists use it for now.
+
 Why not a CSR kernel over kv rows without atomics: dkv[n] = sum over the (m, t) that use row n of
 dS[m, :, t] . q[m] — the reduction for one row runs over heads of *different* queries, so a row's GEMM
 has M = 1 and must stream q[m], dO[m] (128 KB) per use: 2.36 M uses x 128 KB = 300 GB at the release
@@ -290,8 +299,9 @@ def dkv_window_kernel(H: int, D: int, W: int = 128, BQ: int = 64, base: int = 0,
     lines. So the BQ queries' contributions are ONE accumulation in registers,
         acc[LW, DC] += Pw[m]^T dO[m] + dSw[m]^T q[m]        (K = heads, m over the BQ queries),
     and one atomic add per row and column at the end: (W + BQ - 1) / BQ = 3 row-adds per query at
-    W = BQ = 64... instead of W = 128 in dkv_kernel (the fp32 atomics are what limit that kernel). The
-    price: GEMM M = LW instead of W (1.5x the window FLOPs at BQ = 64; the zero lines).
+    W = 128, BQ = 64, instead of W = 128 in dkv_kernel (the fp32 atomics are what limit that kernel).
+    The price: GEMM M = LW instead of W (1.5x the window FLOPs at BQ = 64; the zero lines), and each
+    of the D / DC CTAs of a query block reads Pw / dSw (L2).
     Pw / dSw: [B, MP, H, LW] bf16, MP = M rounded up to BQ with zero rows past M (so the last CTA's
     missing queries add nothing; q / dO are read at a clamped row for them).
     threads 384: three warpgroups, one m64 slice of LW = 192 each (acc = LW * DC / threads fp32 a thread)."""
