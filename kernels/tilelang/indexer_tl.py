@@ -10,8 +10,9 @@ the entry blocks that meet its queries' ranges run a T.Pipelined loop (TileLang 
 producer warp group + mbarriers, so the next K block loads during this block's GEMM and head sum);
 blocks wholly outside every range (causal prefill: about half) only store -inf. Per block, as the
 reference rounds: each dot product (fp32 accumulate) -> bf16, ReLU, times w -> bf16, then the sum
-over the Hi heads in fp32 (through shared memory, heads in order) -> bf16. The fp32 sum order is the
-only difference from torch (<= 1 bf16 ulp on a few outputs); chunks and stages do not change it.
+over the Hi heads in fp32 (through shared memory, heads in order; variant hsum="gemm": a 0/1 selector
+GEMM) -> bf16. The fp32 sum order is the only difference from torch (<= 1 bf16 ulp on a few outputs);
+chunks and stages do not change it.
 
 Top-k, per row: 16-bit order-preserving keys of the bf16 scores (-0 ties with +0, -inf never
 selected), a two-pass 8-bit radix select for the threshold key K* and the number r of entries equal
