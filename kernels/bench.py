@@ -258,7 +258,8 @@ GEMM_V2_CFGS = [dict(BN=128, async_promote=False), dict(BN=128, async_promote=Tr
                 dict(BN=128, async_promote=False, BM=192, threads=384),
                 dict(BN=128, async_promote=True, BK=256, stages=3)]
 GEMM_V3_CFGS = [dict(BN=128, order="done"), dict(BN=128, order="issue"), dict(BN=192, stages=3, order="done"),
-                dict(BN=192, stages=3, order="issue"), dict(BN=128, order="none"), dict(BN=128, stages=5, order="done")]
+                dict(BN=192, stages=3, order="issue"), dict(BN=128, order="none"), dict(BN=128, stages=5, order="done"),
+                dict(BN=128, order="issue", async_promote=True), dict(BN=128, order="none", async_promote=True)]
 FP4_GEMM_V2_CFGS = [dict(async_promote=False, conv="x8"), dict(async_promote=True, conv="x8"),
                     dict(async_promote=False, conv="x8", BN=192),
                     dict(async_promote=False, conv="x8", BM=192, threads=384),

@@ -49,7 +49,8 @@ V2_WIDE_CFGS = [dict(variant="v2", async_promote=False, BN=192),
 # under a timeout: pytest -k v3)
 V3_CFGS = [dict(variant="v3", BN=128, order="done"), dict(variant="v3", BN=128, order="issue"),
            dict(variant="v3", BN=192, stages=3, order="done"), dict(variant="v3", BN=192, stages=3, order="issue"),
-           dict(variant="v3", BN=128, order="none")]
+           dict(variant="v3", BN=128, order="none"), dict(variant="v3", BN=128, order="issue", async_promote=True),
+           dict(variant="v3", BN=128, order="none", async_promote=True)]
 FP4_V2_CFGS = [dict(variant="v2", async_promote=False), dict(variant="v2", async_promote=False, conv="x8"),
                dict(variant="v2", async_promote=True, conv="x8")]
 FP4_V2_WIDE_CFGS = [dict(variant="v2", async_promote=False, BN=192, conv="x8"),

@@ -36,7 +36,7 @@ def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
     if variant == "v2":
         return _fp8_gemm_v2(N, K, BM, BN, BK, stages, threads, async_promote, swizzle)
     if variant == "v3":
-        return _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order, tuple(nreg))
+        return _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order, tuple(nreg), async_promote)
     assert variant == "v1", variant
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
@@ -140,7 +140,8 @@ def _fp8_gemm_v2(N, K, BM, BN, BK, stages, threads, async_promote, swizzle):
     return compile_kernel(fp8_gemm_v2, out_idx=[4])
 
 
-def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple = (240, 24)):
+def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple = (240, 24),
+                 async_promote: bool = False):
     """v3: explicitly warp-specialised ping-pong (384 threads, BM = 128).
 
     Why: in v2 the two consumer warpgroups wait on the same "stage full" barrier every K tile, so they
@@ -159,7 +160,9 @@ def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple
       (strict alternation: one consumer's promotion overlaps the other's WGMMA); ``order="issue"``
       right after issuing it (the peer's WGMMA queues behind, so the tensor core never waits for a
       hand-over, at the price of both WGMMAs sharing it); ``order="none"``: no turns (v2's schedule,
-      explicit pipeline, for comparison).
+      explicit pipeline, for comparison). ``async_promote`` (with order "issue" or "none"): each
+      consumer issues slice kk + 1 into a second temporary before promoting slice kk (within a K tile),
+      so it keeps a WGMMA queued while it promotes (BN=128: acc + 2 tmp = 192 fp32 registers).
 
     Numerics: those of v2 (``_gemm.promote_loop``, fp8 32x32 weight blocks: one FFMA per element).
     Deadlock freedom: each turn barrier's phase g completes on one peer arrival and is waited on once;
@@ -177,6 +180,8 @@ def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple
         # [M, K/32] scale tensors a 16-byte row stride, so BK and K must be multiples of 128
         raise ValueError(f"fp8_gemm v3: K={K}, BK={BK}: both must be multiples of 128 (TMA scale tiles)")
     assert BN % 32 == 0 and order in ("done", "issue", "none")
+    if async_promote and order == "done":
+        raise ValueError("fp8_gemm v3: async_promote needs order 'issue' or 'none'")
     assert 2 * nreg[0] + nreg[1] <= 504, nreg
     smem = stages * (BM + BN) * (BK + SB * 4) + BM * BN * 2
     if smem > 227 * 1024 - 1024:
@@ -185,30 +190,57 @@ def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple
     NC = BN // 32
 
     @T.macro
-    def consumer(w, acc, tmp, sp, a_s, b_s, sa, sb, c_s, full, empty, turn, done, C, bx, by):
+    def promote(w, acc, tmp, sp, sa, sb, s, kk):
+        for i, c in T.Parallel(HALF, NC):
+            sp[i, c] = sa[s, w * HALF + i, kk] * sb[s, c * 32, kk]
+        for i, j in T.Parallel(HALF, BN):
+            acc[i, j] += tmp[i, j] * sp[i, j // 32]
+
+    @T.macro
+    def issue(w, tmp, a_s, b_s, turn, s, k, kk):
+        """Wait for my turn (slice g = k SB + kk), issue the slice's WGMMA into tmp (asynchronous)."""
+        g = k * SB + kk
+        if order != "none":
+            if w == 0:
+                if g > 0:
+                    T.barrier_wait(turn[0], (g - 1) % 2)
+            else:
+                T.barrier_wait(turn[1], g % 2)
+        T.wgmma_gemm(a_s[s, w * HALF:(w + 1) * HALF, kk * 32:(kk + 1) * 32],
+                     b_s[s, :, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
+        if order == "issue":
+            T.barrier_arrive(turn[1 - w])
+
+    @T.macro
+    def consumer(w, acc, tmp, tmpb, sp, a_s, b_s, sa, sb, c_s, full, empty, turn, done, C, bx, by):
         T.clear(acc)
         for k in T.serial(NK):
             s = k % stages
             T.barrier_wait(full[s], (k // stages) % 2)
-            for kk in T.unroll(SB):
-                g = k * SB + kk
-                if order != "none":
-                    if w == 0:
-                        if g > 0:
-                            T.barrier_wait(turn[0], (g - 1) % 2)
+            if async_promote:
+                for kk in T.unroll(SB):
+                    if kk % 2 == 0:
+                        issue(w, tmp, a_s, b_s, turn, s, k, kk)
                     else:
-                        T.barrier_wait(turn[1], g % 2)
-                T.wgmma_gemm(a_s[s, w * HALF:(w + 1) * HALF, kk * 32:(kk + 1) * 32],
-                             b_s[s, :, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
-                if order == "issue":
-                    T.barrier_arrive(turn[1 - w])
+                        issue(w, tmpb, a_s, b_s, turn, s, k, kk)
+                    if kk > 0:
+                        T.wait_wgmma(1)             # slice kk - 1 done, slice kk may still run
+                        if kk % 2 == 1:
+                            promote(w, acc, tmp, sp, sa, sb, s, kk - 1)
+                        else:
+                            promote(w, acc, tmpb, sp, sa, sb, s, kk - 1)
                 T.wait_wgmma(0)
-                if order == "done":
-                    T.barrier_arrive(turn[1 - w])
-                for i, c in T.Parallel(HALF, NC):
-                    sp[i, c] = sa[s, w * HALF + i, kk] * sb[s, c * 32, kk]
-                for i, j in T.Parallel(HALF, BN):
-                    acc[i, j] += tmp[i, j] * sp[i, j // 32]
+                if (SB - 1) % 2 == 0:
+                    promote(w, acc, tmp, sp, sa, sb, s, SB - 1)
+                else:
+                    promote(w, acc, tmpb, sp, sa, sb, s, SB - 1)
+            else:
+                for kk in T.unroll(SB):
+                    issue(w, tmp, a_s, b_s, turn, s, k, kk)
+                    T.wait_wgmma(0)
+                    if order == "done":
+                        T.barrier_arrive(turn[1 - w])
+                    promote(w, acc, tmp, sp, sa, sb, s, kk)
             T.barrier_arrive(empty[s])
         # both consumers are past their last read of the stages before either writes c_s
         # (the shared-memory planner may overlay c_s on them)
@@ -234,9 +266,11 @@ def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple
             c_s1 = T.alloc_shared([HALF, BN], BF16)
             acc0 = T.alloc_fragment([HALF, BN], F32)
             tmp0 = T.alloc_fragment([HALF, BN], F32)
+            tmp0b = T.alloc_fragment([HALF, BN], F32) if async_promote else tmp0
             sp0 = T.alloc_fragment([HALF, NC], F32)
             acc1 = T.alloc_fragment([HALF, BN], F32)
             tmp1 = T.alloc_fragment([HALF, BN], F32)
+            tmp1b = T.alloc_fragment([HALF, BN], F32) if async_promote else tmp1
             sp1 = T.alloc_fragment([HALF, NC], F32)
             full = T.alloc_barrier(arrive_count=[128] * stages)
             empty = T.alloc_barrier(arrive_count=[256] * stages)
@@ -247,10 +281,10 @@ def _fp8_gemm_v3(N, K, BN, BK, stages, swizzle, order: str = "done", nreg: tuple
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
-                consumer(0, acc0, tmp0, sp0, a_s, b_s, sa, sb, c_s0, full, empty, turn, done, C, bx, by)
+                consumer(0, acc0, tmp0, tmp0b, sp0, a_s, b_s, sa, sb, c_s0, full, empty, turn, done, C, bx, by)
             elif tx < 256:
                 T.set_max_nreg(nreg[0], 1)
-                consumer(1, acc1, tmp1, sp1, a_s, b_s, sa, sb, c_s1, full, empty, turn, done, C, bx, by)
+                consumer(1, acc1, tmp1, tmp1b, sp1, a_s, b_s, sa, sb, c_s1, full, empty, turn, done, C, bx, by)
             else:
                 T.set_max_nreg(nreg[1], 0)
                 for k in T.serial(NK):
