@@ -69,8 +69,7 @@ def _attn_release_inputs(args):
 
 def attention_fwd(results, args):
     """Forward at the release shape: the default path (FWD_DEFAULT), both kernels explicitly, then the
-    sweep ``args.attn_fwd_cfgs`` (dicts with ``kernel`` "ws" -> fwd_kernel_ws, "ws2" -> fwd_kernel_ws2 or
-    "lockstep" -> fwd_kernel,
+    sweep ``args.attn_fwd_cfgs`` (dicts with ``kernel`` "ws" -> fwd_kernel_ws or "lockstep" -> fwd_kernel,
     the rest its keyword arguments); each variant also prints its distance to the lock-step output
     (cosine diff, max abs) so a broken variant shows next to its time."""
     from functional_dsv41.kernels import reference
@@ -88,10 +87,8 @@ def attention_fwd(results, args):
     o = sa._fwd(q, kv, sink, idx, scale)[0]
     results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
                        bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
-    for impl in ("ws", "ws2", "lockstep"):
+    for impl in ("ws", "lockstep"):
         for block in (64, 128):
-            if impl == "ws2" and block == 128:      # ws2 runs ws at block 128
-                continue
             try:
                 o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
                 results.append(row(f"  _fwd impl={impl} block={block}",
@@ -106,9 +103,6 @@ def attention_fwd(results, args):
             if kind == "ws":
                 ip = sa._pad_idx(idx, 2 * cfg.get("BI", 32))
                 kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg)
-            elif kind == "ws2":
-                ip = sa._pad_idx(idx, cfg.get("BI", 64))
-                kf = sa.fwd_kernel_ws2(H, D, ip.shape[-1], scale, **cfg)
             else:
                 ip = sa._pad_idx(idx, 128)
                 kf = sa.fwd_kernel(H, D, ip.shape[-1], scale, **cfg)
@@ -179,36 +173,15 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
             parts = {}
             sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg, parts)
             delta = parts["delta"]
-            W = k["window"]
             dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
-            if W:                                                      # window fast path: 3 kernels
-                pw, dsw = parts["pw"], parts["dsw"]
-                kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"],
-                                  window=W, BQ=k["win_BQ"], fuse_delta=k["fuse_delta"])
-                results.append(row("  of which the dq kernel (writes P, dS; window shifted)",
-                                   bench(lambda: kq(q, kv, do, o, idx, lse, delta, pw, dsw)), 0.6 * fl_b, None,
-                                   "3 of 5 GEMMs" + ("; + delta" if k["fuse_delta"] else "")))
-                kw = sb.dkv_window_kernel(H, D, W=W, BQ=k["win_BQ"], base=k["win_base"], DC=min(k["win_DC"], D),
-                                          stages=k["win_stages"], threads=k["win_threads"])
-                results.append(row(f"  of which the dkv window kernel (slots 0..{W - 1})",
-                                   bench(lambda: kw(q, do, pw, dsw, dkv)), 0.4 * fl_b * W / T, None,
-                                   "useful FLOPs (GEMM M = W + BQ runs 1.5x)"))
-                kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"],
-                                   threads=k["dkv_threads"], ws=k["dkv_ws"], pad=k["dkv_pad"], t0=W)
-                results.append(row(f"  of which the dkv kernel (slots {W}..{T - 1})",
-                                   bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b * (T - W) / T,
-                                   None, "accumulates into dkv across reps"))
-                results.append(row("  of which the window layout check (host sync)",
-                                   bench(lambda: sb.check_window(idx, W, k["win_base"])), None, None))
-            else:
-                kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
-                results.append(row("  of which the dq kernel (writes P, dS)",
-                                   bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
-                kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"],
-                                   threads=k["dkv_threads"], ws=k["dkv_ws"], pad=k["dkv_pad"])
-                results.append(row("  of which the dkv kernel (atomics x4)",
-                                   bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
-                                   "2 of 5 GEMMs; accumulates into dkv across reps"))
+            kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
+            results.append(row("  of which the dq kernel (writes P, dS)",
+                               bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
+            kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"],
+                               threads=k["dkv_threads"], ws=k["dkv_ws"], pad=k["dkv_pad"])
+            results.append(row("  of which the dkv kernel (atomics x4)",
+                               bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
+                               "2 of 5 GEMMs; accumulates into dkv across reps"))
             del parts, dkv
         except Exception as e:
             print(f"  split bwd {cfg}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -539,23 +512,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
-    # ws2 (D halves per consumer, partial S exchanged): the default row is BI=64/2 stages/Q in shared
-    # memory; variants: early next QK, Q in registers (RS, 3 stages; spills), BI=32 (block-32 recurrence),
-    # P through shared memory, indices from global memory, other register splits
-    args.attn_fwd_cfgs = [dict(kernel="ws2", early=True), dict(kernel="ws2", q_rs=True, stages=3, xpad=0),
-                          dict(kernel="ws2", BI=32, stages=4), dict(kernel="ws2", BI=32, stages=4, early=True),
-                          dict(kernel="ws2", q_rs=True, BI=32, stages=6), dict(kernel="ws2", q_rs=True, p_rs=False),
-                          dict(kernel="ws2", idx_smem=False), dict(kernel="ws2", xpad=0),
-                          dict(kernel="ws2", nreg=(232, 40))]
+    # run 10: fwd_kernel_ws default (BI=32 pairs, 4 stages, no early QK) 365 TFLOP/s; early QK 299 (kept as
+    # the one sweep row, a regression check of the knob)
+    args.attn_fwd_cfgs = [dict(kernel="ws", BI=32, stages=4, early_qk=True)]
     args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
-    # run 9 measured the generic knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128: all slower); round 2:
-    # the window fast path (window=128: the bench's idx has the sliding window in slots 0..127)
-    args.attn_bwd_split_cfgs = [{}, dict(window=128), dict(window=128, win_check=False),
-                                dict(window=128, win_threads=128), dict(window=128, win_DC=128),
-                                dict(window=128, win_DC=128, win_threads=128), dict(window=128, win_stages=3),
-                                dict(window=128, win_stages=1), dict(window=128, dq_stages=0),
-                                dict(window=128, dkv_stages=3), dict(window=128, fuse_delta=True),
-                                dict(window=128, fuse_delta=True, dq_stages=0)]
+    # runs 9-10 measured the split knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128, the window fast
+    # path): all slower than the default; it alone is timed (end to end and per kernel)
+    args.attn_bwd_split_cfgs = [{}]
     args.gemm_cfgs = [{}, *[dict(variant="v2", **c) for c in GEMM_V2_CFGS],        # default (v2 BN=192) first
                       dict(variant="v1", BN=128, async_promote=True), dict(variant="v1", BN=128, async_promote=False)]
     args.gemm_v3_cfgs = [{}, *[dict(variant="v3", **c) for c in GEMM_V3_CFGS]]

@@ -143,11 +143,10 @@ FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "ws2", "lockstep"])
+@pytest.mark.parametrize("impl", ["ws", "lockstep"])
 @pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_impl(shape, impl, block):
-    """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl, ws2 at
-    block 128 runs ws);
+    """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl);
     row M//2 all holes, row 1's first 100 slots holes (the max starts from -1e30 there)."""
     _need_tilelang()
     B, M, H, D, N, T = shape
@@ -157,7 +156,7 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "ws2", "lockstep"])
+@pytest.mark.parametrize("impl", ["ws", "lockstep"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
     M, H, D, n_comp = 4096, 64, 512, 2048
@@ -167,29 +166,6 @@ def test_sparse_attn_fwd_impl_release(impl, block):
     sink = torch.randn(H, device=DEV, generator=g)
     idx = _release_idx(M, M, n_comp)
     _check_fwd_impl(q, kv, sink, idx, D ** -0.5, impl, block)
-
-
-# fwd_kernel_ws2 knobs beyond FWD_WS2_CFG (the same list as kernels/bench.py's ws2 sweep, compiled
-# for this shape too): each against the reference with its own block (BI)
-WS2_VARIANTS = [dict(early=True), dict(q_rs=True, stages=3, xpad=0), dict(BI=32, stages=4),
-                dict(BI=32, stages=4, early=True), dict(q_rs=True, BI=32, stages=6), dict(q_rs=True, p_rs=False),
-                dict(idx_smem=False), dict(xpad=0), dict(nreg=(232, 40))]
-
-
-@pytest.mark.parametrize("cfg", WS2_VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("shape", [(1, 40, 64, 512, 500, 200), (2, 64, 64, 512, 700, 640)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_sparse_attn_fwd_ws2_variants(shape, cfg):
-    """fwd_kernel_ws2 variants (odd block counts at T = 200: 4 blocks of 64 / 7 of 32; 10 / 20 at 640)."""
-    _need_tilelang()
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    B, M, H, D, N, T = shape
-    q, kv, sink, idx = _attn_inputs(*shape, seed=12)
-    idx[-1, 1, :100] = -1
-    BI = cfg.get("BI", 64)
-    ip = sa._pad_idx(idx, BI)
-    o, lse = sa.fwd_kernel_ws2(H, D, ip.shape[-1], D ** -0.5, **cfg)(q, kv, sink.float(), ip)
-    _check_fwd_out(o, lse, q, kv, sink, idx, D ** -0.5, BI, f"ws2 {cfg}")
 
 
 def test_sparse_attn_fwd_ws_is_default():
@@ -345,60 +321,3 @@ def test_sparse_attn_bwd_split_empty_row(split_bwd):
     split_bwd.BWD_IMPL = "atomic"
     _, _, _, ds_a = _grads("tilelang", q, kv, sink, idx, scale, do)
     assert torch.equal(ds, ds_a)
-
-
-# ----------------------------------------------------------------------------- split backward, window fast path
-def _window_case(M, base, n_comp, seed):
-    """kv = [base filler rows ; M window rows ; n_comp compressed rows]; idx = release layout with the
-    window rows at offset base (slot t of query m -> row base + m - 127 + t, -1 before base)."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    H, D = 64, 512
-    N = base + M + n_comp
-    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    kv = torch.randn(1, N, D, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEV, generator=g)
-    do = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    idx = _release_idx(M, base + M, n_comp, seed=seed)
-    idx[..., :128] = torch.where(idx[..., :128] >= 0, idx[..., :128] + base, -1)
-    return q, kv, sink, idx, do
-
-
-@pytest.mark.parametrize("case", [(4096, 0, 2048), (200, 7, 600)], ids=lambda c: "M%d_base%d" % c[:2])
-@pytest.mark.parametrize("cfg", [{}, dict(win_threads=128), dict(win_DC=128), dict(fuse_delta=True)],
-                         ids=lambda c: str(c) if c else "default")
-def test_sparse_attn_bwd_split_window(case, cfg, split_bwd):
-    """bwd_split(window=128): the window slots' dkv through dkv_window_kernel (shifted P / dS, one
-    register accumulation per 64 queries), the rest through dkv_kernel(t0=128); M=200 leaves a
-    partial last query block. Against the fp32 truth (same rule as _check_grads) and against the
-    generic split path (same bf16 P / dS, only the fp32 summation order differs; fuse_delta: delta
-    summed in another order, so P / dS may differ by a bf16 rounding here and there)."""
-    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
-    sa = split_bwd
-    M, base, n_comp = case
-    q, kv, sink, idx, do = _window_case(M, base, n_comp, seed=11)
-    scale = 512 ** -0.5
-    assert sb.check_window(sa._pad_idx(idx, 128), 128, base)
-    o, lse = sa._fwd(q, kv, sink, idx, scale)
-    w = sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, dict(cfg, window=128, win_base=base))
-    g = sb.bwd_split(q, kv, sink, idx, o, lse, do, scale)
-    _, dq_r, dkv_r, ds_r = _grads("torch", q, kv, sink, idx, scale, do)
-    _, dq_t, dkv_t, ds_t = _grads("torch", q.float(), kv.float(), sink, idx, scale, do.float())
-    for name, a, gen, r, t in zip(("dq", "dkv", "dsink"), w, g, (dq_r, dkv_r, ds_r), (dq_t, dkv_t, ds_t)):
-        assert a.dtype == gen.dtype and a.shape == gen.shape
-        cd, cd_ref = cosine_diff(a, t), cosine_diff(r, t)
-        print(f"GRADCHK window {case} {cfg} {name}: tilelang vs fp32 {cd:.2e}; bf16 reference {cd_ref:.2e}; "
-              f"vs generic split {cosine_diff(a, gen):.2e}")
-        assert cd < max(1e-4, 1.5 * cd_ref), f"{name}: cosine diff {cd:.2e} (reference's own {cd_ref:.2e})"
-        assert cosine_diff(a, gen) < 1e-6, (name, cosine_diff(a, gen))
-    assert (w[1][0, :base] == 0).all()                     # filler rows: used by no query
-
-
-def test_sparse_attn_bwd_split_window_rejects_other_layout(split_bwd):
-    """window=128 on random indices: the layout check refuses (no silent wrong dkv)."""
-    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
-    sa = split_bwd
-    q, kv, sink, idx = _attn_inputs(1, 48, 64, 512, 400, 640, seed=7)
-    o, lse = sa._fwd(q, kv, sink, idx, 512 ** -0.5)
-    do = torch.randn(q.shape, device=DEV).bfloat16()
-    with pytest.raises(ValueError, match="sliding window"):
-        sb.bwd_split(q, kv, sink, idx, o, lse, do, 512 ** -0.5, dict(window=128))

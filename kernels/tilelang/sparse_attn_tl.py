@@ -10,12 +10,16 @@ only. Exponentials are exp2 of log2e-scaled logits (same function, different rou
 bit). It also returns LSE = log2(l) + m in log2 units of the scaled logits, sink included, so
 P[h, t] = exp2(c * q_h.kv_t - LSE_h) with c = scale * log2(e).
 
-Three forward kernels (``_fwd`` picks, see FWD_DEFAULT): ``fwd_kernel``, one CTA per query whose two
-warpgroups gather, multiply and normalise in lock-step (any H multiple of 16); and, for H = 64, two
-warp-specialised ones where a producer warpgroup gathers KV blocks into a ring of shared stages:
-``fwd_kernel_ws``, whose two consumer warpgroups split each pair of blocks' QK and the output's D
-halves, and ``fwd_kernel_ws2``, whose consumers each own one half of D for both QK (partial S
-summed through shared memory) and PV (their docstrings).
+Two forward kernels (``_fwd`` picks, see FWD_DEFAULT): ``fwd_kernel``, one CTA per query whose two
+warpgroups gather, multiply and normalise in lock-step (any H multiple of 16; the fallback for H != 64,
+measured 290 / 311 TFLOP/s at the release shape, block 64 / 128, H200 run 10); and, for H = 64,
+``fwd_kernel_ws`` (the default), warp-specialised: a producer warpgroup gathers KV blocks into a ring of
+shared stages and two consumer warpgroups split each pair of blocks' QK and the output's D halves
+(365 TFLOP/s with BI = 32 pairs, 4 stages, no early QK; early QK measured 299). What limits it: the
+gather and the two consumers still meet in lock-step at every pair, and each consumer's QK is an
+m64n32 WGMMA (small N, poor tensor-core occupancy). Next step: deeper decoupling of the gather from
+the consumers and a wider QK tile per consumer. (A D-split variant, ``fwd_kernel_ws2``, was removed
+after run 10: its default did not fit the H200's shared memory and its variants ran 194-315 TFLOP/s.)
 
 Backward (the release ships none): Delta_h = dO_h . O_h; recompute P from q, kv and LSE;
 dP = dO kv^T; dS = scale * P * (dP - Delta); dq = dS kv; dkv[idx_t] += dS^T q + P^T dO (fp32 atomics
@@ -326,274 +330,6 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_kernel_ws2(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, q_rs: bool = False,
-                   p_rs: bool = True, xbuf: int = 1, xpad: int = 4, idx_smem: bool = True,
-                   early: bool = False, nreg: tuple = (240, 24)):
-    """o, lse = fwd(q, kv, sink, idx), warp-specialised with D split in halves (384 threads); H == 64.
-
-    Why: ``fwd_kernel_ws`` multiplies a whole-D QK per consumer (SS-WGMMA re-reading the 64 KB Q tile
-    from shared memory for every block): about 190 B/clk of shared-memory operand reads against the
-    128 B/clk an SM delivers. Here consumer warpgroup w (w = 0, 1) owns columns [w D/2, (w+1) D/2) for
-    BOTH products of every index block j (BI slots):
-      S_w = Q[:, half w] K_j[:, half w]^T      (m64 n=BI k=D/2; Q from registers with ``q_rs``: RS-WGMMA)
-      S   = S_0 + S_1                          (the fp32 partials swapped through shared memory)
-      P   = exp2(c S - c m)  (bf16)            (both consumers compute the same S, max and P bit for bit:
-                                                fp32 addition is commutative)
-      O[:, half w] = alpha O[:, half w] + P V_j[:, half w]   (m64 n=D/2 k=BI; P from registers with ``p_rs``)
-    so each consumer reads K and V only in its half of D and Q only in its half (or never, with q_rs).
-    Warpgroup 2 (``nreg[1]`` registers) gathers index block j into stage j % stages with cp.async
-    (``full[s]``; with ``idx_smem`` also the block's indices, 4 bytes each, so the consumers' hole test
-    reads shared memory behind the same barrier) once both consumers released it (``empty[s]``); with
-    ``q_rs=False`` it first loads Q into shared memory (SS-WGMMA on the Q half).
-
-    Exchange: buffer x = j % xbuf of ``sx_s`` [xbuf, 2, 64, BI + xpad] fp32 (xpad = 4 makes the
-    accumulator-layout 8-byte stores 2-way, the minimum); ``bar_x[2x + w]`` = consumer w wrote its
-    partial, ``bar_r[2x + w]`` = consumer w has read its peer's, which gates the peer's next write to
-    that buffer (so no mbarrier can run a phase ahead of its waiter).
-
-    ``early``: the QK of block j+1 is issued (into a second S tile) right after block j's exchange, so
-    the tensor cores run it during block j's softmax; both outstanding groups are waited for at the top
-    of the next block (a wait_group 1 across the loop edge makes ptxas serialise the WGMMAs, C7514).
-    The stage of block j is then released one block later, so it wants stages >= 3 to hide the gather.
-
-    Numerics: exactly ``reference.sparse_attn(block=BI)`` (running max from -1e30 moved once per block,
-    bf16 P, sink in the denominator only), as ``fwd_kernel(BI=BI)``; BI = 64 is the release blocking.
-    Holes (-1) gather row 0 and get S = -inf (probability exactly 0).
-
-    Registers per consumer thread: O half 128 + S 32 (+ 32 for the second S with early) (+ Q half 64
-    with q_rs; P 16 bf16 with p_rs reuses S's). ``nreg`` = (consumer, producer) with 2 c + p <= 504:
-    setmaxnreg only redistributes the 168 x 384 registers the launch allocated. ptxas 13.0 at D = 512
-    (local builds): q_rs=False BI=64 no spills; q_rs=True spills (~370 B at BI=64, 32 B at BI=32) and
-    serialises the WGMMAs (C7512); early at BI=64 spills ~650 B, at BI=32 none.
-    Shared memory: stages * BI * D * 2 + xbuf * 2 * 64 * (BI + xpad) * 4 (+ Q 64 KB without q_rs,
-    + 2 * 64 * BI * 2 without p_rs, + stages * BI * 4 with idx_smem) <= 227 KB: at D = 512 and
-    BI = 64 that is 2 stages with Q in shared memory, 3 with Q in registers.
-    """
-    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
-    if H != 64:
-        raise ValueError("fwd_kernel_ws2: H must be 64 (one warpgroup's WGMMA M)")
-    if D % 128 or D > 512:
-        raise ValueError("fwd_kernel_ws2: D must be a multiple of 128, <= 512")
-    if TP % BI or stages < 2 or BI % 16 or xbuf not in (1, 2):
-        raise ValueError("fwd_kernel_ws2: TP a multiple of BI, stages >= 2, BI a multiple of 16, xbuf 1 or 2")
-    smem = stages * BI * D * 2 + xbuf * 2 * H * (BI + xpad) * 4 + (0 if q_rs else H * D * 2) \
-        + (0 if p_rs else 2 * H * BI * 2)
-    smem += stages * BI * 4 if idx_smem else 0
-    if 2 * nreg[0] + nreg[1] > 504:
-        raise ValueError("fwd_kernel_ws2: 2 * nreg[0] + nreg[1] must be <= 504 (3 x 168, the launch allocation)")
-    if smem > 227 * 1024 - 512:
-        raise ValueError(f"fwd_kernel_ws2: shared memory {smem} B over 227 KB")
-    NI = TP // BI
-    NS = stages
-    DH = D // 2
-    c = float(scale) * LOG2E
-    CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
-    BP = BI + xpad
-
-    @T.macro
-    def issue_qk(j, w, q_f, acc_s, q_s, kv_s, full):
-        """S_w = Q[:, half w] K_j[:, half w]^T into acc_s, asynchronous (T.wait_wgmma)."""
-        s = j % NS
-        T.barrier_wait(full[s], (j // NS) % 2)
-        if q_rs:
-            T.wgmma_gemm(q_f, kv_s[s, :, w * DH:(w + 1) * DH], acc_s, transpose_B=True, clear_accum=True)
-        else:
-            T.wgmma_gemm(q_s[:, w * DH:(w + 1) * DH], kv_s[s, :, w * DH:(w + 1) * DH], acc_s,
-                         transpose_B=True, clear_accum=True)
-
-    @T.macro
-    def exchange(j, w, acc_s, sx_s, idx_s, bar_x, bar_r, Idx, bi, mi):
-        """acc_s (my partial S of block j, complete) -> S = S_0 + S_1 with holes at -inf."""
-        s = j % NS
-        x = j % xbuf
-        if j >= xbuf:                       # the peer has read what I wrote here last time
-            T.barrier_wait(bar_r[2 * x + 1 - w], (j // xbuf + 1) % 2)
-        for h, t in T.Parallel(H, BI):
-            sx_s[x, w, h, t] = acc_s[h, t]
-        T.barrier_arrive(bar_x[2 * x + w])
-        T.barrier_wait(bar_x[2 * x + 1 - w], (j // xbuf) % 2)
-        if idx_smem:
-            for h, t in T.Parallel(H, BI):
-                acc_s[h, t] = T.if_then_else(idx_s[s, t] >= 0, acc_s[h, t] + sx_s[x, 1 - w, h, t],
-                                             -T.infinity(F32))
-        else:
-            for h, t in T.Parallel(H, BI):
-                acc_s[h, t] = T.if_then_else(Idx[bi, mi, j * BI + t] >= 0, acc_s[h, t] + sx_s[x, 1 - w, h, t],
-                                             -T.infinity(F32))
-        T.barrier_arrive(bar_r[2 * x + w])
-
-    @T.macro
-    def softmax_pv(j, w, acc_s, p_f, acc_o, m, mp, l, ls, a, kv_s, p_s):
-        """Online softmax over block j (identical in both consumers), then issue O_w += P V_j[:, half w]."""
-        s = j % NS
-        T.copy(m, mp)
-        T.reduce_max(acc_s, m, dim=1, clear=False)
-        for h in T.Parallel(H):
-            a[h] = T.exp2((mp[h] - m[h]) * c)
-        for h, t in T.Parallel(H, BI):
-            acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
-        T.reduce_sum(acc_s, ls, dim=1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * a[h] + ls[h]
-        for h, d in T.Parallel(H, DH):
-            acc_o[h, d] *= a[h]
-        if p_rs:
-            T.copy(acc_s, p_f)
-            T.wgmma_gemm(p_f, kv_s[s, :, w * DH:(w + 1) * DH], acc_o)
-        else:
-            T.copy(acc_s, p_s[w, :, :])
-            T.fence_proxy_async()           # P: generic stores, read next by WGMMA (async proxy)
-            T.wgmma_gemm(p_s[w, :, :], kv_s[s, :, w * DH:(w + 1) * DH], acc_o)
-
-    @T.macro
-    def step(j, w, first, last, q_f, sa, sb, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, sx_s, idx_s, full,
-             empty, bar_x, bar_r, Idx, bi, mi):
-        """early: block j, whose S(j) (in sa) and PV(j-1) are in flight; the QK of block j+1 goes into sb
-        right after the exchange, so the tensor cores run it during this block's softmax. (Waiting for
-        both at the top keeps every accumulator read after a full wait: with wait_group 1 across the
-        loop edge ptxas serialises the WGMMAs, C7514.)"""
-        T.wait_wgmma(0)
-        if not first:
-            T.barrier_arrive(empty[(j - 1) % NS])
-        exchange(j, w, sa, sx_s, idx_s, bar_x, bar_r, Idx, bi, mi)
-        if not last:
-            issue_qk(j + 1, w, q_f, sb, q_s, kv_s, full)
-        softmax_pv(j, w, sa, p_f, acc_o, m, mp, l, ls, a, kv_s, p_s)
-
-    @T.macro
-    def consumer(w, q_f, acc_s, acc_s2, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, sx_s, idx_s, bar_q, full,
-                 empty, bar_x, bar_r, Q, Idx, Sink, O, Lse, bi, mi):
-        """Consumer warpgroup w: columns [w DH, (w + 1) DH) of QK and PV for every block."""
-        if q_rs:
-            T.copy(Q[bi, mi, :, w * DH:(w + 1) * DH], q_f)
-        else:
-            T.barrier_wait(bar_q, 0)
-        T.fill(acc_o, 0)
-        T.fill(l, 0)
-        T.fill(m, -1e30)
-        if early:
-            issue_qk(0, w, q_f, acc_s, q_s, kv_s, full)
-            if NI == 1:
-                step(0, w, True, True, q_f, acc_s, acc_s2, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, sx_s,
-                     idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-            else:
-                step(0, w, True, False, q_f, acc_s, acc_s2, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s, p_s, sx_s,
-                     idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-                for i in T.serial((NI - 2) // 2):           # blocks 1 .. NI-2 in pairs (S buffer = j % 2)
-                    step(2 * i + 1, w, False, False, q_f, acc_s2, acc_s, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s,
-                         p_s, sx_s, idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-                    step(2 * i + 2, w, False, False, q_f, acc_s, acc_s2, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s,
-                         p_s, sx_s, idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-                if NI % 2 == 1:                              # block NI-2 (odd), then NI-1 (even)
-                    step(NI - 2, w, False, False, q_f, acc_s2, acc_s, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s,
-                         p_s, sx_s, idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-                    step(NI - 1, w, False, True, q_f, acc_s, acc_s2, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s,
-                         p_s, sx_s, idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-                else:
-                    step(NI - 1, w, False, True, q_f, acc_s2, acc_s, p_f, acc_o, m, mp, l, ls, a, q_s, kv_s,
-                         p_s, sx_s, idx_s, full, empty, bar_x, bar_r, Idx, bi, mi)
-            T.wait_wgmma(0)
-            T.barrier_arrive(empty[(NI - 1) % NS])
-        else:
-            for j in T.serial(NI):
-                issue_qk(j, w, q_f, acc_s, q_s, kv_s, full)
-                T.wait_wgmma(0)
-                exchange(j, w, acc_s, sx_s, idx_s, bar_x, bar_r, Idx, bi, mi)
-                softmax_pv(j, w, acc_s, p_f, acc_o, m, mp, l, ls, a, kv_s, p_s)
-                T.wait_wgmma(0)
-                T.barrier_arrive(empty[j % NS])
-        for h in T.Parallel(H):
-            l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
-        for h, d in T.Parallel(H, DH):
-            acc_o[h, d] /= l[h]
-        T.copy(acc_o, O[bi, mi, :, w * DH:(w + 1) * DH])
-        if w == 0:
-            for h in T.Parallel(H):
-                ls[h] = T.log2(l[h]) + m[h] * c
-            T.copy(ls, Lse[bi, mi, :])
-
-    @T.prim_func
-    def sparse_attn_fwd_ws2(
-        Q: T.Tensor([B, M, H, D], BF16),
-        KV: T.Tensor([B, N, D], BF16),
-        Sink: T.Tensor([H], F32),
-        Idx: T.Tensor([B, M, TP], I32),
-        O: T.Tensor([B, M, H, D], BF16),
-        Lse: T.Tensor([B, M, H], F32),
-    ):
-        with T.Kernel(M, B, threads=384) as (mi, bi):
-            kv_s = T.alloc_shared([NS, BI, D], BF16)
-            sx_s = T.alloc_shared([xbuf, 2, H, BP], F32)
-            idx_s = T.alloc_shared([NS, BI] if idx_smem else [1, 8], I32)
-            q_s = T.alloc_shared([H, D] if not q_rs else [8, 8], BF16)
-            p_s = T.alloc_shared([2, H, BI] if not p_rs else [1, 8, 8], BF16)
-
-            q_f0 = T.alloc_fragment([H, DH], BF16)
-            acc_s0 = T.alloc_fragment([H, BI], F32)
-            acc_t0 = T.alloc_fragment([H, BI] if early else [4, 4], F32)
-            p_f0 = T.alloc_fragment([H, BI], BF16)
-            acc_o0 = T.alloc_fragment([H, DH], F32)
-            m0 = T.alloc_fragment([H], F32)
-            mp0 = T.alloc_fragment([H], F32)
-            l0 = T.alloc_fragment([H], F32)
-            ls0 = T.alloc_fragment([H], F32)
-            a0 = T.alloc_fragment([H], F32)
-            q_f1 = T.alloc_fragment([H, DH], BF16)
-            acc_s1 = T.alloc_fragment([H, BI], F32)
-            acc_t1 = T.alloc_fragment([H, BI] if early else [4, 4], F32)
-            p_f1 = T.alloc_fragment([H, BI], BF16)
-            acc_o1 = T.alloc_fragment([H, DH], F32)
-            m1 = T.alloc_fragment([H], F32)
-            mp1 = T.alloc_fragment([H], F32)
-            l1 = T.alloc_fragment([H], F32)
-            ls1 = T.alloc_fragment([H], F32)
-            a1 = T.alloc_fragment([H], F32)
-
-            bar_q = T.alloc_barrier(arrive_count=128)
-            full = T.alloc_barrier(arrive_count=[128] * NS)
-            empty = T.alloc_barrier(arrive_count=[256] * NS)
-            bar_x = T.alloc_barrier(arrive_count=[128] * (2 * xbuf))
-            bar_r = T.alloc_barrier(arrive_count=[128] * (2 * xbuf))
-
-            tx = T.get_thread_binding()
-            if tx < 128:
-                T.set_max_nreg(nreg[0], 1)
-                consumer(0, q_f0, acc_s0, acc_t0, p_f0, acc_o0, m0, mp0, l0, ls0, a0, q_s, kv_s, p_s, sx_s, idx_s, bar_q, full,
-                         empty, bar_x, bar_r, Q, Idx, Sink, O, Lse, bi, mi)
-            elif tx < 256:
-                T.set_max_nreg(nreg[0], 1)
-                consumer(1, q_f1, acc_s1, acc_t1, p_f1, acc_o1, m1, mp1, l1, ls1, a1, q_s, kv_s, p_s, sx_s, idx_s, bar_q, full,
-                         empty, bar_x, bar_r, Q, Idx, Sink, O, Lse, bi, mi)
-            else:
-                T.set_max_nreg(nreg[1], 0)
-                tp = tx - 256
-                if not q_rs:
-                    for r in T.unroll(H // 16):          # Q: 8 threads a row, 16 rows a pass
-                        for u in T.unroll(CPR):
-                            T.ptx_cp_async(
-                                T.access_ptr(q_s[r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
-                                T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
-                    T.cp_async_barrier_noinc(bar_q)
-                for j in T.serial(NI):
-                    s = j % NS
-                    T.barrier_wait(empty[s], ((j // NS) % 2) ^ 1)
-                    for r in T.unroll(BI // 16):
-                        row = r * 16 + tp // 8
-                        src = T.max(Idx[bi, mi, j * BI + row], 0)
-                        for u in T.unroll(CPR):
-                            T.ptx_cp_async(
-                                T.access_ptr(kv_s[s, row, u * 64 + (tp % 8) * 8], "w", 8),
-                                T.access_ptr(KV[bi, src, u * 64 + (tp % 8) * 8], "r", 8), 8)
-                        if idx_smem:
-                            if tp % 8 == 0:             # the slot's index (holes < 0) rides the same barrier
-                                T.ptx_cp_async(T.access_ptr(idx_s[s, row], "w", 1),
-                                               T.access_ptr(Idx[bi, mi, j * BI + row], "r", 1), 1)
-                    T.cp_async_barrier_noinc(full[s])
-
-    return compile_kernel(sparse_attn_fwd_ws2, out_idx=[4, 5])
-
-
-@functools.lru_cache(maxsize=None)
 def delta_kernel(H: int, D: int, threads: int = 128):
     """Delta[b, m, h] = sum_d dO * O (fp32)."""
     R = T.dynamic("R")
@@ -707,16 +443,11 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 
 
 # Forward kernel choice (explicit): "ws" = fwd_kernel_ws where ws_fits(H, D), else the lock-step
-# fwd_kernel; "ws2" = fwd_kernel_ws2 (D split in halves, block 64 only; block 128 takes "ws");
-# "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
+# fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
 FWD_DEFAULT = "ws"
-# Run 9 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
+# Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
-# fwd_kernel_ws2 at block 64 (BI = 64, the release blocking): Q from shared memory (Q in registers
-# spills at 240 registers), 2 stages of 64 KB (all that fits beside Q and the exchange buffer),
-# exchange rows padded by 4 floats (2-way, the minimum for 8-byte stores). Not measured yet.
-FWD_WS2_CFG = dict(BI=64, stages=2, q_rs=False, xpad=4)
 
 
 def ws_fits(H: int, D: int) -> bool:
@@ -730,18 +461,14 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape (lock-step kernel).
 
     impl (default FWD_DEFAULT): "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
-    (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "ws2" runs
-    fwd_kernel_ws2 with FWD_WS2_CFG (BI = 64) at block 64 where ws_fits(H, D), else as "ws";
-    "lockstep" always runs fwd_kernel."""
+    (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "lockstep"
+    always runs fwd_kernel."""
     B, M, H, D = q.shape
     impl = impl or FWD_DEFAULT
-    if impl not in ("ws", "ws2", "lockstep"):
-        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'ws', 'ws2' or 'lockstep'")
+    if impl not in ("ws", "lockstep"):
+        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'ws' or 'lockstep'")
     block = 128 if (block == 128 and H % 64 == 0) else 64
-    if impl == "ws2" and block == 64 and ws_fits(H, D):
-        idx = _pad_idx(idx, FWD_WS2_CFG["BI"])
-        k = fwd_kernel_ws2(H, D, idx.shape[-1], float(scale), **FWD_WS2_CFG)
-    elif impl in ("ws", "ws2") and ws_fits(H, D):
+    if impl == "ws" and ws_fits(H, D):
         cfg = FWD_WS_CFG[block]
         idx = _pad_idx(idx, 2 * cfg["BI"])
         k = fwd_kernel_ws(H, D, idx.shape[-1], float(scale), **cfg)
@@ -754,7 +481,7 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
 # Backward implementation: "atomic" (the single kernel above) or "split" (sparse_attn_bwd_tl: a dq
 # kernel writing P/dS, then a dkv kernel with vector atomics). Module-level so the autograd path and
 # the custom op keep their signatures; tests/bench set it or pass bwd_impl.
-BWD_IMPL = "split"   # run 9: split 3.98 ms (216 TFLOP/s) vs atomic 6.26 ms (137) at the release shape
+BWD_IMPL = "split"   # run 10: split 3.66 ms (234.5 TFLOP/s) vs atomic 6.09 ms at the release shape
 
 
 def _bwd(q, kv, sink, idx, o, lse, do, scale, bwd_impl=None):
