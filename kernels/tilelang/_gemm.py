@@ -1,4 +1,4 @@
-"""The block-scaled main loop shared by the fp8 and fp4 GEMMs (``variant="v2"``), TileLang/Hopper.
+"""The block-scaled main loop shared by the fp8 and fp4 GEMMs, TileLang/Hopper (the only one since run 10).
 
 One K tile of the pipeline holds ``a_s`` [BM, BK] and ``b_s`` [BN, BK] e4m3 in shared memory plus the
 fp32 scales of its SB = BK/32 K blocks: ``sa`` [BM, SB] per row of A, ``sb`` [BN, SB] per column of B
@@ -10,13 +10,14 @@ block scales, so each 32-deep slice kk is one k=32 WGMMA into a temporary and is
 (the release's order: sum each 32-deep block, scale, accumulate in fp32; the scales are powers of
 two, so the product is exact and an FMA rounds exactly like the reference's multiply-then-add).
 
-Why this form (vs. the v1 loop in fp8_gemm_tl): v1 multiplied ``sa[i] * sb[j]`` per element (two
+Why this form (vs. the first loop, removed after run 10 at 359-386 vs 549 TFLOP/s): it multiplied ``sa[i] * sb[j]`` per element (two
 shared loads + FMUL + FFMA per accumulator element, 64 per thread per slice); here the scale product is
 computed once per (row, 32-column block) into a small fragment (2 rows x BN/32 blocks per thread:
 8 FMULs at BN=128), so promotion is one FFMA per element. The WGMMA uses the FullRow warp policy:
 each consumer warpgroup owns 64 whole rows (m64 x nBN, one wide WGMMA instead of two n64 ones), so the
 two warpgroups work on different output rows and naturally fall out of phase: the tensor core is
-shared, so one warpgroup's WGMMA runs while the other promotes. With ``async_promote`` the WGMMA of
+shared, so one warpgroup's WGMMA runs while the other promotes (an explicitly warp-specialised ping-pong
+did no better in TileLang 0.1.15: 408-526 TFLOP/s, removed). With ``async_promote`` the WGMMA of
 slice kk+1 is issued before slice kk is promoted (two temporaries, ``wait_wgmma(1)``).
 """
 import tilelang.language as T

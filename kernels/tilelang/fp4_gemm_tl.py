@@ -10,11 +10,15 @@ Conversion: e2m1 code ``s e1 e0 m`` -> e4m3 byte ``s 000 e1 e0 m 00`` = value * 
 lands on the e4m3 subnormal 2^-7, the normal codes keep their exponent offset), so the per-element work is
 two masks and two shifts; the 2^6 is folded into B's fp32 scales on the host (exact: powers of two).
 
-``variant="v1"`` (default until measured) is the loop below; ``variant="v2"`` runs the converted tile
-through the shared main loop of ``_gemm.py`` (FullRow warpgroups, optional async promotion) with
-``per_col=True``: fp4 weight scales are per output column (not per 32x32 block as fp8's), so the
-promotion is ``acc += (tmp * sb[col]) * sa[row]`` (FMUL + FFMA), not the fp8 loop's precomputed
-per-32-column product (run 9: that form made every fp4 v2 variant fail, cosine diff ~0.5).
+The main loop is ``_gemm.promote_loop`` (shared with the fp8 GEMM) with ``per_col=True``: fp4 weight
+scales are per output column (not per 32x32 block as fp8's), so promotion is ``acc += (tmp * sb[col]) *
+sa[row]`` (FMUL + FFMA per element per 32-deep slice; run 9: fp8's per-32-column product form is wrong here).
+
+Measured (H200, run 10, 4096x2304x5120 / 4096x5120x2304 TFLOP/s): this loop with the 8-codes-per-step
+conversion and BN=192 294/279 (BM=192/384 threads 301/278, async promotion 245/266, BN=128 240/259).
+Removed after run 10: the byte-wise conversion (179/195) and the first loop (176/194). Limit now: the
+promotion FMAs (twice fp8's) on the WGMMA warpgroups plus the conversion and its two block barriers per K
+tile; next step: convert in a producer warpgroup (warp specialisation) so consumers only run WGMMA+promote.
 """
 import functools
 
@@ -29,10 +33,10 @@ from .fp8_gemm_tl import _scales
 
 BF16, F32, FP8, U8 = "bfloat16", "float32", "float8_e4m3fn", "uint8"
 
-# conv="x8": 8 codes per thread step with 32-bit ops (4 packed bytes -> 8 e4m3 bytes): the even and odd
-# nibbles are separated with two masks, each byte mapped ``s e1 e0 m`` -> ``s 0 0 e1 e0 m 0 0`` (the byte-wise
-# formula below, on four bytes at once), then interleaved back into element order with two byte permutes.
-# One 4-byte shared load and one 8-byte shared store per 8 elements (the byte loop: 8 loads, 4 stores).
+# Conversion, 8 codes per thread step with 32-bit ops (4 packed bytes -> 8 e4m3 bytes): the even and odd
+# nibbles are separated with two masks, each byte mapped ``s e1 e0 m`` -> ``s 0 0 e1 e0 m 0 0`` (the formula
+# above, on four bytes at once), then interleaved back into element order with two byte permutes.
+# One 4-byte shared load and one 8-byte shared store per 8 elements (a byte loop: 8 loads, 4 stores).
 _CONV_X8_SRC = r"""
 __device__ __forceinline__ void dsv41_fp4x8_to_e4m3(const void* src, void* dst) {
   const unsigned w = *reinterpret_cast<const unsigned*>(src);
@@ -49,17 +53,15 @@ __device__ __forceinline__ void dsv41_fp4x8_to_e4m3(const void* src, void* dst) 
 
 
 @functools.lru_cache(maxsize=None)
-def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128, stages: int = 3,
-                    threads: int = 256, swizzle: int = 8, variant: str = "v1", async_promote: bool = False,
-                    conv: str = "byte"):
+def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 3,
+                    threads: int = 256, async_promote: bool = False, swizzle: int = 8):
+    """The compiled kernel for one (N, K) and configuration; BM = 64 rows per consumer warpgroup
+    (``threads = 2 * BM``). Defaults = the fp8 GEMM's tile (BN=192, sync promotion), 3 stages (the run-10
+    measurement; the converted b_s tile adds shared memory per stage)."""
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
-    assert K % BK == 0 and BK % 32 == 0
-    assert variant in ("v1", "v2") and conv in ("byte", "x8"), (variant, conv)
-    v2 = variant == "v2"
-    if v2:
-        assert BN % 32 == 0 and BM == 64 * (threads // 128)
-        body = promote_loop(BM, BN, SB, async_promote, per_col=True)   # fp4: per-column scales
+    assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
+    body = promote_loop(BM, BN, SB, async_promote, per_col=True)   # fp4: per-column scales
 
     @T.prim_func
     def fp4_gemm(
@@ -77,8 +79,7 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
             sb = T.alloc_shared([BN, SB], F32)
             acc = T.alloc_fragment([BM, BN], F32)
             tmp = T.alloc_fragment([BM, BN], F32)
-            if v2:
-                tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
+            tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
             c_s = T.alloc_shared([BM, BN], BF16)
             T.use_swizzle(swizzle)
             T.clear(acc)
@@ -87,26 +88,14 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 128, BK: int = 128,
                 T.copy(Bp[bx * BN, k * (BK // 2)], bp_s)
                 T.copy(As[by * BM, k * SB], sa)
                 T.copy(Bs[bx * BN, k * SB], sb)
-                if conv == "x8":
-                    T.import_source(_CONV_X8_SRC)
-                    T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
-                    for i, q in T.Parallel(BN, BK // 8):
-                        T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
-                                      T.address_of(b_s[i, q * 8]))
-                else:
-                    for i, j in T.Parallel(BN, BK):
-                        code = (bp_s[i, j // 2] >> T.Cast(U8, (j % 2) * 4)) & T.uint8(15)
-                        b_s[i, j] = T.reinterpret(((code & T.uint8(7)) << T.uint8(2)) | ((code & T.uint8(8)) << T.uint8(4)), FP8)
+                T.import_source(_CONV_X8_SRC)
+                T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
+                for i, q in T.Parallel(BN, BK // 8):
+                    T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
+                                  T.address_of(b_s[i, q * 8]))
                 T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
                 T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
-                if v2:
-                    body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
-                else:
-                    for kk in T.unroll(SB):
-                        T.gemm(a_s[:, kk * 32:(kk + 1) * 32], b_s[:, kk * 32:(kk + 1) * 32], tmp,
-                               transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(BM, BN):
-                            acc[i, j] += tmp[i, j] * (sa[i, kk] * sb[j, kk])
+                body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
             T.copy(acc, c_s)
             T.copy(c_s, C[by * BM, bx * BN])
 
