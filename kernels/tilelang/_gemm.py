@@ -16,8 +16,8 @@ computed once per (row, 32-column block) into a small fragment (2 rows x BN/32 b
 8 FMULs at BN=128), so promotion is one FFMA per element. The WGMMA uses the FullRow warp policy:
 each consumer warpgroup owns 64 whole rows (m64 x nBN, one wide WGMMA instead of two n64 ones), so the
 two warpgroups work on different output rows and naturally fall out of phase: the tensor core is
-shared, so one warpgroup's WGMMA runs while the other promotes (an explicitly warp-specialised ping-pong
-did no better in TileLang 0.1.15: 408-526 TFLOP/s, removed). With ``async_promote`` the WGMMA of
+shared, so one warpgroup's WGMMA runs while the other promotes when they happen to drift apart (the
+explicitly ordered version, ``fp8_gemm_tl.fp8_gemm_pingpong_kernel``, is 2-5% faster for fp8: run 10). With ``async_promote`` the WGMMA of
 slice kk+1 is issued before slice kk is promoted (two temporaries, ``wait_wgmma(1)``).
 """
 import tilelang.language as T
