@@ -225,10 +225,10 @@ def gemms(results, args):
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
 
 
-# Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 3 stages
-# (run 10: 561 / 571 / 527 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
+# Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages
+# (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
 # 508). fp4 default: the loop at BN=192 (294 / 279).
-GEMM_CFGS = [dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=2), dict(kernel="loop"),
+GEMM_CFGS = [dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3), dict(kernel="loop"),
              dict(kernel="loop", BN=128), dict(kernel="loop", stages=3), dict(kernel="loop", BN=128, BM=192, threads=384)]
 FP4_GEMM_CFGS = [dict(BN=128), dict(BN=128, async_promote=True), dict(BN=128, BM=192, threads=384),
                  dict(stages=4)]
@@ -381,7 +381,7 @@ def indexer(results, args):
                                           dict(BQ=4, BN=128, stages=3), dict(hsum="gemm"),
                                           dict(hsum="gemm", BQ=8, BN=64)])
     topk_threads = getattr(args, "indexer_topk_threads", [256, 512, 1024])
-    bwd_cfgs = [dict(stages=0), dict(chunks=1), dict(stages=0, chunks=1), dict(BNk=128)]
+    bwd_cfgs = [dict(stages=0), dict(chunks=1), dict(stages=0, chunks=1), dict(BNk=64)]
     shapes = [(args.m, args.m // 4, 4), (64, 16384, 0), (16, 65536, 0)]
     for (s, n, ratio) in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -513,7 +513,7 @@ def main(argv=None):
     # runs 9-10 measured the split knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128, the window fast
     # path): all slower than the default; it alone is timed (end to end and per kernel)
     args.attn_bwd_split_cfgs = [{}]
-    args.gemm_cfgs = [{}, *GEMM_CFGS]                   # default (ping-pong, BN=192, 3 stages) first
+    args.gemm_cfgs = [{}, *GEMM_CFGS]                   # default (ping-pong, BN=192, 2 stages) first
     args.fp4_gemm_cfgs = [{}, *FP4_GEMM_CFGS]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     try:

@@ -46,7 +46,7 @@ FP8_CFGS = [dict(kernel="loop"), dict(kernel="loop", BN=128, async_promote=True)
 FP8_WIDE_CFGS = [dict(kernel="loop", stages=3),
                  dict(kernel="loop", async_promote=False, BN=128, BM=192, threads=384),
                  dict(kernel="loop", async_promote=True, BN=128, BK=256, stages=3),
-                 dict(kernel="pingpong", stages=2)]
+                 dict(kernel="pingpong", stages=3)]
 FP4_CFGS = [dict(BN=128, async_promote=False), dict(BN=128, async_promote=True)]
 FP4_WIDE_CFGS = [dict(BN=128, BM=192, threads=384), dict(BN=192, stages=4)]
 _cfg_id = lambda c: ",".join(f"{k}={v}" for k, v in c.items())

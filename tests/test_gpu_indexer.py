@@ -258,7 +258,7 @@ def test_index_scores_backward_long_rows(bsn):
         assert cosine_diff(a, r) < 1e-4
 
 
-BWD_CFGS = [dict(stages=0), dict(stages=2, chunks=3), dict(stages=0, chunks=5), dict(chunks=1), dict(BNk=128)]
+BWD_CFGS = [dict(stages=0), dict(stages=2, chunks=3), dict(stages=0, chunks=5), dict(chunks=1), dict(BNk=64)]
 
 
 @pytest.mark.parametrize("cfg", BWD_CFGS, ids=lambda c: ",".join(f"{a}={v}" for a, v in c.items()))

@@ -14,8 +14,8 @@ slice's WGMMA after the other's completed), so one consumer's promotion overlaps
 ``fp8_gemm_kernel`` is the same loop scheduled by TileLang's pipeliner (``_gemm.promote_loop``, shared with
 the fp4 GEMM): both consumers restart every K tile on the same barrier and promote in lock step.
 
-Measured (H200, run 10): ping-pong at BN=192, 3 stages 560.8 / 570.5 / 526.5 TFLOP/s at 4096x{5120x5120,
-2304x5120, 5120x2304}; the pipelined loop at BN=192 549 / 541 / 508 (BN=128 477, async promotion + BK=256
+Measured (H200, runs 10-11): ping-pong at BN=192, 2 stages 569 / 584 / 522 TFLOP/s at 4096x{5120x5120,
+2304x5120, 5120x2304} (3 stages 560 / 559-571 / 521-527); the pipelined loop at BN=192 549 / 541 / 508 (BN=128 477, async promotion + BK=256
 518); the ping-pong at BN=128 408-478. Removed after run 10: the first loop (two scale loads + FMUL + FFMA
 per element, 359-386), the ping-pong's hand-over-at-issue and async-promotion orders (never faster).
 Limit now: promotion costs one FFMA per accumulator element per 32-deep slice, about the cycles of the slice's
@@ -82,9 +82,10 @@ def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 3, swizzle: int = 8,
+def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 2, swizzle: int = 8,
                              nreg: tuple = (240, 24)):
-    """The warp-specialised ping-pong kernel (384 threads, BM = 128). Defaults = run 10's best.
+    """The warp-specialised ping-pong kernel (384 threads, BM = 128). Defaults = the measured best (run 11:
+    2 stages 569 / 584 / 522 TFLOP/s, 3 stages 560 / 559 / 521, BN=128 467 / 418 / 438).
 
     * warpgroup 2, the producer (``nreg[1]`` registers), TMA-loads A [128, BK], B [BN, BK] and their fp32
       scales into ring stage k % stages (``full[s]``: 128 arrivals + the TMA bytes) once both consumers

@@ -515,11 +515,12 @@ def bwd_k_kernel(H: int, D: int, BQ: int = 4, BN: int = 64, has_cand: bool = Fal
 # ----------------------------------------------------------------------------- launch helpers
 # Run 10 (H200): stages=0 (synchronous K loads) 0.137 ms at the release shape vs 0.275 with the 2-stage TMA
 # pipeline (the producer warpgroup costs a CTA per SM), and equal on long rows (0.063-0.066 ms); hsum="gemm"
-# slower (0.317). Fewer chunks won on long rows (8 vs 16 at 64 x 16K: 0.070 vs 0.081 ms) -> WAVES = 1.
+# slower (0.317). Run 11 (stages 0): two waves of entry chunks beat one on long rows (64 x 16K: 0.064 vs
+# 0.084 ms; 16 x 64K: 0.066 vs 0.090).
 SCORE_CFG = dict(BQ=4, BN=128, threads=256, stages=0, hsum="smem")
 TOPK_THREADS = None     # None: by row length (_topk_threads); an int forces one count
 TOPK_AGG = False        # warp-aggregated histogram atomics in the top-k kernel (bench: "agg")
-WAVES = 1               # entry chunks aim at WAVES * SMs CTAs when the query blocks alone do not fill the GPU
+WAVES = 2               # entry chunks aim at WAVES * SMs CTAs when the query blocks alone do not fill the GPU
 
 
 @functools.lru_cache(maxsize=None)
@@ -589,8 +590,9 @@ def _plain(t):
     return t
 
 
-# Run 10: stages=0 0.616 ms (release shape) / 0.232 (64 x 16K) against 0.750 / 0.346 with stages=2.
-BWD_CFG = dict(BQ=4, BN=64, threads=256, stages=0, BNk=64)
+# Run 10: stages=0 0.616 ms (release shape) / 0.232 (64 x 16K) against 0.750 / 0.346 with stages=2;
+# run 11: dk entry blocks of 128 (BNk) 0.557 / 0.279 / 0.250 ms against 0.610 / 0.288 / 0.262 with 64.
+BWD_CFG = dict(BQ=4, BN=64, threads=256, stages=0, BNk=128)
 BWD_KERNEL = True       # False: dq, dk, dw by autograd of the torch reference on recomputed scores
 
 
