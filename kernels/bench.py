@@ -372,7 +372,7 @@ def indexer(results, args):
     visible FLOPs: recomputed q.k, dS k, dS^T q). Shapes: release prefill (s queries x n = s/4 entries,
     ratio 4, causal) and long-context rows (few queries x 16K..64K entries, all visible)."""
     from functional_dsv41.kernels import reference_indexer as ref
-    from functional_dsv41.kernels.tilelang import indexer_tl as it
+    from functional_dsv41.kernels.tilelang import index_topk_tl as itk, indexer_tl as it
     H, D = 32, 128
     # scoring variants (the default is SCORE_CFG = BQ 4, BN 128, stages 2, chunks by _chunks); stages 0 =
     # round 1's unpipelined loads; chunks: 1 = round 1's one CTA per query block, 2x = twice the default
@@ -419,13 +419,13 @@ def indexer(results, args):
         I = ref.index_scores(q, k, w, lo, hi)
         kt = 512
         by_t = s * n * 2 + s * kt * 8
-        results.append(row(f"index_topk tilelang k={kt} threads=auto ({it._topk_threads(s, n, 132)})",
-                           bench(lambda: it.index_topk(I, kt)), None, by_t))
+        results.append(row(f"index_topk tilelang k={kt} threads=auto ({itk._topk_threads(s, n, 132)})",
+                           bench(lambda: itk.index_topk(I, kt)), None, by_t))
         for th in topk_threads:
             for agg in (False, True):
                 try:
                     results.append(row(f"index_topk tilelang k={kt} threads={th}{' agg' if agg else ''}",
-                                       bench(lambda: it.index_topk(I, kt, threads=th, agg=agg)), None, by_t))
+                                       bench(lambda: itk.index_topk(I, kt, threads=th, agg=agg)), None, by_t))
                 except Exception as e:
                     print(f"  topk threads={th} agg={agg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results.append(row("index_topk torch reference (exact ties)", bench(lambda: ref.index_topk(I, kt), 2, 10), None, by_t))
@@ -434,11 +434,11 @@ def indexer(results, args):
         if n >= 16384:
             blocks = (torch.arange(n, device="cuda") // 8)[None].contiguous()
             results.append(row("index_candidates tilelang path (amax + top-k kernel, 2048 of n/8 blocks)",
-                               bench(lambda: it.index_candidates(I, lo, hi, 8, n // 8, 2048), 2, 10), None, s * n * 3))
+                               bench(lambda: itk.index_candidates(I, lo, hi, 8, n // 8, 2048), 2, 10), None, s * n * 3))
             for th in topk_threads:
                 try:
-                    results.append(row(f"  candidates top-k threads={th} (auto {it._topk_threads(s, n // 8, 132)})",
-                                       bench(lambda: it.index_candidates(I, lo, hi, 8, n // 8, 2048, threads=th), 2, 10),
+                    results.append(row(f"  candidates top-k threads={th} (auto {itk._topk_threads(s, n // 8, 132)})",
+                                       bench(lambda: itk.index_candidates(I, lo, hi, 8, n // 8, 2048, threads=th), 2, 10),
                                        None, s * n * 3))
                 except Exception as e:
                     print(f"  candidates threads={th}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -470,12 +470,12 @@ def indexer(results, args):
         g = torch.Generator(device="cuda").manual_seed(1)
         X = torch.randn(r, n, device="cuda", generator=g).bfloat16()
         by_t = r * n * 2 + r * 512 * 8
-        print(f"-- indexer top-k k=512 rows={r} n={n} (auto threads {it._topk_threads(r, n, 132)})", flush=True)
+        print(f"-- indexer top-k k=512 rows={r} n={n} (auto threads {itk._topk_threads(r, n, 132)})", flush=True)
         for th in topk_threads:
             for agg in (False, True):
                 try:
                     results.append(row(f"index_topk tilelang rows={r} n={n} threads={th}{' agg' if agg else ''}",
-                                       bench(lambda: it.index_topk(X, 512, threads=th, agg=agg)), None, by_t))
+                                       bench(lambda: itk.index_topk(X, 512, threads=th, agg=agg)), None, by_t))
                 except Exception as e:
                     print(f"  topk threads={th} agg={agg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results.append(row("peer: torch.topk (no tie rule, unsorted ids)",

@@ -136,7 +136,7 @@ def _tied_scores(b, s, n, seed=0):
                          ids=lambda s: "x".join(map(str, s)))
 def test_index_topk_exact(bsn):
     need_tilelang()
-    from functional_dsv41.kernels.tilelang import indexer_tl
+    from functional_dsv41.kernels.tilelang import index_topk_tl
     x = _tied_scores(*bsn)
     for k in (512, 64):
         out = K.index_topk(x, k, impl="tilelang")
@@ -144,20 +144,20 @@ def test_index_topk_exact(bsn):
         assert out.dtype == torch.int64 and out.shape == ref.shape
         assert torch.equal(out, ref)
         for agg in (False, True):           # both histogram variants, whatever TOPK_AGG says
-            assert torch.equal(indexer_tl.index_topk(x, k, agg=agg), ref), agg
+            assert torch.equal(index_topk_tl.index_topk(x, k, agg=agg), ref), agg
 
 
 def test_index_topk_on_reference_scores_release():
     """Top-k of the release shape's own scores (bf16 ties between near-equal scores)."""
     need_tilelang()
     q, k, w, lo, hi = _inputs(1, 4096, 1024, 32, 128, seed=5)
-    from functional_dsv41.kernels.tilelang import indexer_tl
+    from functional_dsv41.kernels.tilelang import index_topk_tl
     ref_scores = K.index_scores(q, k, w, lo, hi, impl="torch")
     ref = K.index_topk(ref_scores, 512, impl="torch")
     assert torch.equal(K.index_topk(ref_scores, 512, impl="tilelang"), ref)
     for agg in (False, True):
         for th in (256, 512, 1024):             # every count the bench sweeps
-            assert torch.equal(indexer_tl.index_topk(ref_scores, 512, threads=th, agg=agg), ref), (agg, th)
+            assert torch.equal(index_topk_tl.index_topk(ref_scores, 512, threads=th, agg=agg), ref), (agg, th)
 
 
 @pytest.mark.parametrize("bsn", [(2, 40, 333), (1, 16, 20000)], ids=lambda s: "x".join(map(str, s)))
@@ -307,6 +307,7 @@ def test_index_scores_func_grad():
 
 def test_auto_picks_tilelang():
     need_tilelang()
-    from functional_dsv41.kernels.tilelang import indexer_tl
-    for op in ("index_scores", "index_topk", "index_candidates"):
-        assert K.resolve(op, "auto", on_cuda=True) is getattr(indexer_tl, op)
+    from functional_dsv41.kernels.tilelang import index_topk_tl, indexer_tl
+    assert K.resolve("index_scores", "auto", on_cuda=True) is indexer_tl.index_scores
+    for op in ("index_topk", "index_candidates"):
+        assert K.resolve(op, "auto", on_cuda=True) is getattr(index_topk_tl, op)

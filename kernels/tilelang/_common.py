@@ -5,10 +5,12 @@ calls (batch, queries, kv rows, GEMM M) are dynamic symbols so one build serves 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import tilelang
+import torch
 import tilelang.language as T  # noqa: F401  (re-exported for the kernel modules)
 
 from .. import Unsupported  # noqa: F401  (raised by the ops for inputs their tiles do not cover)
@@ -32,3 +34,8 @@ def compile_kernel(func, out_idx=None, pass_configs=None):
     cfg = dict(PASS_CFG)
     cfg.update(pass_configs or {})
     return tilelang.compile(func, out_idx=out_idx, target=target(), pass_configs=cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
