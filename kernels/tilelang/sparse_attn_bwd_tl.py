@@ -42,15 +42,9 @@ import tilelang.language as T
 import torch
 
 from ._common import LOG2E, compile_kernel
+from .sparse_attn_tl import _head_block, _pad_idx, delta_kernel
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
-
-
-def _head_block(H: int) -> int:
-    bh = min(H, 64)
-    if H % bh or bh % 16:
-        raise ValueError(f"sparse_attn (tilelang): heads {H} must be a multiple of 16 (<= 64) or of 64")
-    return bh
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,7 +181,6 @@ DEFAULT_CFG = dict(BI=64, dq_stages=1, dq_threads=256, dkv_BI=64, DC=128, dkv_st
 def bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg: dict | None = None, parts: dict | None = None):
     """dq, dkv, dsink with the split kernels; idx padded here to a multiple of 128 (as the forward
     pads it). ``parts`` (a dict), if given, receives the intermediates (bench)."""
-    from .sparse_attn_tl import _pad_idx, delta_kernel
     k = dict(DEFAULT_CFG, **(cfg or {}))
     B, M, H, D = q.shape
     idx = _pad_idx(idx, 128)                                      # no-op for the forward's padded idx
