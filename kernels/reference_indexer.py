@@ -1,6 +1,7 @@
 """Torch reference of the lightning indexer's kernels (SPEC §5, §10): scoring, level-1 candidate
 blocks, top-k. The executable spec that ``kernels/tilelang/indexer_tl.py`` (scores) and
-``index_topk_tl.py`` (top-k, candidates) are tested against; the model (``functional_dsv41.indexer``) calls these through ``kernels.<op>``.
+``index_topk_tl.py`` (top-k, candidates) are tested against; the model (``functional_dsv41.indexer``)
+calls these through ``kernels.<op>``.
 
 Visibility is a per-query half-open range of entries ``[lo, hi)``: entries are stored in position
 order along the row and a query sees exactly the completed entries of its own sample, i.e. every
