@@ -84,10 +84,10 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     rot = rope_angles(cfg, L, chunk.pos)                                    # [b, s, rd/2]
 
     fq = qat_format(cfg)
-    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq), p["q_norm"]["weight"], eps)
-    q = linear(qr, p["wq_b"], mode=mode, fake=fq).view(b, s, H, D)
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq, impl=impl), p["q_norm"]["weight"], eps)
+    q = linear(qr, p["wq_b"], mode=mode, fake=fq, impl=impl).view(b, s, H, D)
     q = apply_rope(q, rot[:, :, None, :])
-    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq), p["kv_norm"]["weight"], eps)
+    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq, impl=impl), p["kv_norm"]["weight"], eps)
     kv = fp8_qdq(apply_rope(kv, rot), qdq)
 
     has_past = cache is not None and chunk.start > 0
@@ -141,10 +141,11 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
         aux.update(indexer_kl_terms(q, kv_all, p["attn_sink"], idx, topk, student, D ** -0.5))
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
-    return output_projection(p, o, rot, cfg=cfg, mode=mode), new_cache, shared, topk
+    return output_projection(p, o, rot, cfg=cfg, mode=mode, impl=impl), new_cache, shared, topk
 
 
-def output_projection(p: dict, o: torch.Tensor, rot: torch.Tensor, *, cfg: Config, mode: str = "reference"):
+def output_projection(p: dict, o: torch.Tensor, rot: torch.Tensor, *, cfg: Config, mode: str = "reference",
+                      impl: str | None = None):
     """o [b, s, H, D] (sparse_attn output) -> [b, s, dim]: de-rotate the RoPE tail at the query positions
     (rot [b, s, rd/2]), then the grouped low-rank projection: heads in ``o_groups`` groups of consecutive
     heads, ``u_g = W_oa[g] o_g`` (bf16, wo_a always dequantised as the release's convert.py does),
@@ -154,7 +155,7 @@ def output_projection(p: dict, o: torch.Tensor, rot: torch.Tensor, *, cfg: Confi
     G = cfg.o_groups
     wo_a = dequantize(p["wo_a"], o.dtype).view(G, cfg.o_lora_rank, -1)
     u = torch.einsum("bsgd,grd->bsgr", o.reshape(b, s, G, -1), wo_a)
-    return linear(u.flatten(2), p["wo_b"], mode=mode, fake=qat_format(cfg))
+    return linear(u.flatten(2), p["wo_b"], mode=mode, fake=qat_format(cfg), impl=impl)
 
 
 def indexer_kl_terms(q, kv_all, sink, idx, topk, student, scale) -> dict:

@@ -43,17 +43,18 @@ from .rope import apply_rope, rope_angles
 from .state import AttnCache, DecodeState, config_id
 
 
-def main_x(params: dict, main_hidden: torch.Tensor, *, cfg: Config, mode: str = "reference") -> torch.Tensor:
+def main_x(params: dict, main_hidden: torch.Tensor, *, cfg: Config, mode: str = "reference",
+           impl: str | None = None) -> torch.Tensor:
     """main_hidden [b, s, n_targets*dim] bf16 -> RMSNorm(main_norm, W_main main_hidden) [b, s, dim] bf16."""
     p0 = params["mtp"][0]
-    return rms_norm(linear(main_hidden, p0["main_proj"], mode=mode, fake=qat_format(cfg)), p0["main_norm"]["weight"], cfg.norm_eps)
+    return rms_norm(linear(main_hidden, p0["main_proj"], mode=mode, fake=qat_format(cfg), impl=impl), p0["main_norm"]["weight"], cfg.norm_eps)
 
 
 def main_kv(p_attn: dict, mx: torch.Tensor, positions: torch.Tensor, *, cfg: Config, layer_id: int,
-            mode: str = "reference", qdq: bool = True) -> torch.Tensor:
+            mode: str = "reference", qdq: bool = True, impl: str | None = None) -> torch.Tensor:
     """A stage's KV of main positions: fp8_QDQ(RoPE(RMSNorm_kv(W_kv main_x))). mx [b, s, dim],
     positions int64 [s] or [b, s] -> [b, s, D] bf16 (SPEC §7 "Prefill")."""
-    kv = rms_norm(linear(mx, p_attn["wkv"], mode=mode, fake=qat_format(cfg)), p_attn["kv_norm"]["weight"], cfg.norm_eps)
+    kv = rms_norm(linear(mx, p_attn["wkv"], mode=mode, fake=qat_format(cfg), impl=impl), p_attn["kv_norm"]["weight"], cfg.norm_eps)
     return fp8_qdq(apply_rope(kv, rope_angles(cfg, layer_id, positions)), qdq)
 
 
@@ -87,7 +88,7 @@ def _check_hidden(main_hidden: torch.Tensor, cfg: Config, where: str) -> None:
 
 
 def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, state: DecodeState,
-                   mode: str = "reference") -> DecodeState:
+                   mode: str = "reference", impl: str | None = None) -> DecodeState:
     """Seed/extend every stage's main-KV ring with the chunk the main model just ran (SPEC §7 "Prefill").
 
     main_hidden [b, s, n_targets*dim] = ``forward(...).main_hidden`` of that chunk; ``state`` = the
@@ -100,11 +101,11 @@ def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, stat
     start = state.pos - s
     if start < 0:
         raise ValueError(f"dspark_prefill: {s} hidden rows but the state is at position {state.pos}")
-    mx = main_x(params, main_hidden, cfg=cfg, mode=mode)
+    mx = main_x(params, main_hidden, cfg=cfg, mode=mode, impl=impl)
     pos = torch.arange(start, start + s, device=mx.device)
     rings = []
     for si, L in enumerate(cfg.dspark_layer_ids):
-        kv = main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode)
+        kv = main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode, impl=impl)
         rings.append(AttnCache(_write_ring(state.dspark[si].window_kv, kv, start)))
     return dataclasses.replace(state, dspark=tuple(rings))
 
@@ -118,15 +119,15 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     H, D = cfg.n_heads, cfg.head_dim
     eps = cfg.norm_eps
     fq = qat_format(cfg)
-    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq), p["q_norm"]["weight"], eps)
-    q = apply_rope(linear(qr, p["wq_b"], mode=mode, fake=fq).view(b, M, H, D), rot[:, :, None, :])
-    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq), p["kv_norm"]["weight"], eps)
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq, impl=impl), p["q_norm"]["weight"], eps)
+    q = apply_rope(linear(qr, p["wq_b"], mode=mode, fake=fq, impl=impl).view(b, M, H, D), rot[:, :, None, :])
+    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq, impl=impl), p["kv_norm"]["weight"], eps)
     kv = fp8_qdq(apply_rope(kv, rot), qdq)
     kv_all = torch.cat([kv_all, kv], 1)
     o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
-    return output_projection(p, o, rot, cfg=cfg, mode=mode)
+    return output_projection(p, o, rot, cfg=cfg, mode=mode, impl=impl)
 
 
 def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,
@@ -151,7 +152,8 @@ def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor,
         res = h
         f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
         y = rms_norm(hc_pre(h, a_pre), p["ffn_norm"]["weight"], eps)
-        y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=L, mode=mode, dispatch=dispatch, return_routing=True)
+        y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=L, mode=mode, impl=impl, dispatch=dispatch,
+                          return_routing=True)
         h = hc_post(y, res, f_post, f_comb)
         pre = f_pre
         if debug is not None:
@@ -240,7 +242,7 @@ def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Te
     if p < 0:
         raise ValueError("dspark_draft: the main model has consumed no token yet (state.pos == 0)")
     B, W, dev = cfg.dspark_block_size, cfg.window_size, last.device
-    state = dspark_prefill(params, main_hidden_p, cfg=cfg, state=state, mode=mode)
+    state = dspark_prefill(params, main_hidden_p, cfg=cfg, state=state, mode=mode, impl=impl)
     rings = [c.window_kv for c in state.dspark]
     ids = torch.full((b, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
     ids[:, 0] = last
@@ -327,8 +329,8 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     win = torch.where(t_rel >= 0, p_abs[..., None] - p_rel[..., None] + t_rel, -1)
     own = S + torch.arange(n, device=dev)[:, None] * B + torch.arange(B, device=dev)   # [n, B] rows of a's block
     idx = torch.cat([win[:, :, None, :].expand(b, n, B, W), own[:, None, :].expand(b, n, B, B)], -1).reshape(b, n * B, W + B)
-    mx = main_x(params, main_hidden, cfg=cfg, mode=mode)
-    rows = [main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode, qdq=qdq)
+    mx = main_x(params, main_hidden, cfg=cfg, mode=mode, impl=impl)
+    rows = [main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode, qdq=qdq, impl=impl)
             for si, L in enumerate(cfg.dspark_layer_ids)]
     x = _stages(params, blk.reshape(b, n * B), rows, idx, qpos, cfg=cfg, mode=mode, impl=impl,
                 dispatch=dispatch, qdq=qdq, debug=debug).view(b, n, B, cfg.dim)

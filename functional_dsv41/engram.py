@@ -302,7 +302,7 @@ def validate_table(embed: dict, *, cfg, layer_id: int) -> None:
 # ----------------------------------------------------------------------------- §6.5 gated write
 def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
                  image_mask: Optional[torch.Tensor] = None, mode: str = "reference",
-                 layer_id: Optional[int] = None, check: bool = True) -> torch.Tensor:
+                 layer_id: Optional[int] = None, check: bool = True, impl: Optional[str] = None) -> torch.Tensor:
     """Engram write into the hc streams (SPEC §6.5): bf16 [B, S, N, M] -> bf16 [B, S, N, M].
 
     p = params["layers"][L]["engram"]: {"embed": {"weight", "scale"}, "wkv": {"weight", "scale"?},
@@ -319,7 +319,7 @@ def engram_write(p: dict, h: torch.Tensor, ids: torch.Tensor, *, cfg,
     if layer_id is not None:
         validate_table(p["embed"], cfg=cfg, layer_id=layer_id)
     e = lookup(p["embed"]["weight"], p["embed"].get("scale"), ids, check=check)  # [B, S, C*D] bf16
-    kv = linear(e, p["wkv"], mode=mode, fake=qat_format(cfg)).to(torch.bfloat16)                 # [B, S, (N+1)*M]
+    kv = linear(e, p["wkv"], mode=mode, fake=qat_format(cfg), impl=impl).to(torch.bfloat16)                 # [B, S, (N+1)*M]
     key_BSNM = kv[..., :N * M].unflatten(-1, (N, M)).float()
     value_BSM = kv[..., N * M:]
     h32 = h.float()

@@ -181,7 +181,8 @@ def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T,
     B = cfg.dspark_block_size
     q = int(lens.min())                                                # position of `last`
     out = forward(params, {"input_ids": tokens[:, :q], **first}, cfg=cfg, state=state, **kw)
-    state = dspark_prefill(params, out.main_hidden, cfg=cfg, state=out.state, mode=kw["mode"])
+    state = dspark_prefill(params, out.main_hidden, cfg=cfg, state=out.state, mode=kw["mode"],
+                           impl=kw["impl"])
     mh_last = out.main_hidden[:, -1:]
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     n_out = torch.zeros(b, dtype=torch.long, device=dev)
@@ -228,7 +229,8 @@ def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T,
         committed += n + 1
         state, rr = rollback(params, d.state, v.state, chunk[:, :n + 1], cfg=cfg, forward_kw=kw)
         reruns += rr
-        state = dspark_prefill(params, v.main_hidden[:, :n + 1], cfg=cfg, state=state, mode=kw["mode"])
+        state = dspark_prefill(params, v.main_hidden[:, :n + 1], cfg=cfg, state=state, mode=kw["mode"],
+                               impl=kw["impl"])
         mh_last = v.main_hidden[:, n:n + 1]
         q = new_pos
     return {"n_out": n_out, "stop": _stops(done, n_out, max_new), "main_forwards": n_fwd, "reruns": reruns,

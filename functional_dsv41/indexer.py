@@ -73,7 +73,7 @@ def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor,
     """
     b, s, _ = x.shape
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(qr, p["wq_b"], mode=mode, fake=qat_format(cfg)).view(b, s, Hi, Di)
+    q = linear(qr, p["wq_b"], mode=mode, fake=qat_format(cfg), impl=impl).view(b, s, Hi, Di)
     q = apply_rope(q, rope_angles(cfg, layer_id, pos)[:, :, None, :])
     q = fp4_qdq(q, 32, quant.E8M0, qdq)
     w = linear(x, p["weights_proj"], mode=mode) * (Di ** -0.5 * Hi ** -0.5)     # [b, s, Hi]

@@ -72,7 +72,7 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
     f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
     y = rms_norm(hc_pre(h, a_pre), p["ffn_norm"]["weight"], eps)
     y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=layer_id, image_mask=image_mask, mode=mode,
-                      dispatch=dispatch, return_routing=True)
+                      impl=impl, dispatch=dispatch, return_routing=True)
     h = hc_post(y, res, f_post, f_comb)
     if debug is not None:
         d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
@@ -198,7 +198,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
         e = cfg.engram_index(L)
         if e is not None:
             h = engram_mod.engram_write(p["engram"], h, ng_ids[:, :, e], cfg=cfg, image_mask=image_mask, mode=mode,
-                                        check=validate)
+                                        check=validate, impl=impl)
             if debug is not None:
                 debug[f"layer.{L}.engram_out"] = h
         if L in cfg.dspark_target_layer_ids:

@@ -51,10 +51,11 @@ def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_m
     return w_TK * cfg.route_scale, idx_TK
 
 
-def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mode: str, fake: str | None = None):
+def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mode: str, fake: str | None = None,
+           impl: str | None = None):
     """One SwiGLU expert: x [n, D] bf16, routing weight w [n, 1] fp32 (None for the shared expert) -> [n, D]."""
-    gate = linear(x, p["w1"], mode=mode, fake=fake).float()
-    up = linear(x, p["w3"], mode=mode, fake=fake).float()
+    gate = linear(x, p["w1"], mode=mode, fake=fake, impl=impl).float()
+    up = linear(x, p["w3"], mode=mode, fake=fake, impl=impl).float()
     lim = cfg.swiglu_limit
     if lim > 0:
         gate = gate.clamp(max=lim)
@@ -62,11 +63,11 @@ def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mod
     y = invariant.silu(gate) * up
     if w is not None:
         y = w * y
-    return linear(y.to(x.dtype), p["w2"], mode=mode, fake=fake)
+    return linear(y.to(x.dtype), p["w2"], mode=mode, fake=fake, impl=impl)
 
 
 def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: torch.Tensor | None = None,
-        mode: str = "reference", dispatch: str = "sorted", return_routing: bool = False):
+        mode: str = "reference", dispatch: str = "sorted", return_routing: bool = False, impl: str | None = None):
     """The FFN sublayer: x [b, s, D] bf16 -> [b, s, D] bf16 (and optionally (weights, idx) [b*s, K])."""
     shape = x.shape
     x_TD = x.reshape(-1, shape[-1])
@@ -87,7 +88,7 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
         for e, n in enumerate(counts):
             if n:
                 outs.append(expert(x_TD[tok[start:start + n]], experts[e], wts[start:start + n, None], cfg=cfg,
-                                   mode=mode, fake=fake_routed).float())
+                                   mode=mode, fake=fake_routed, impl=impl).float())
                 start += n
         # ... then back to [T, K] slots, each token's K outputs added in ascending expert order
         slot_out = torch.cat(outs).new_empty(flat_e.shape[0], x_TD.shape[1])
@@ -99,11 +100,12 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
         dense_w_TE = torch.zeros(x_TD.shape[0], len(experts), dtype=torch.float32,
                                  device=x.device).scatter(-1, idx_TK, w_TK)
         for e in range(len(experts)):
-            out = expert(x_TD, experts[e], dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake_routed)
+            out = expert(x_TD, experts[e], dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake_routed, impl=impl)
             y_TD = y_TD + out.float() * (dense_w_TE[:, e:e + 1] != 0)
     else:
         raise ValueError(f"moe: dispatch must be 'sorted' or 'dense', got {dispatch!r}")
     if "shared_experts" in p:
-        y_TD = y_TD + expert(x_TD, p["shared_experts"], None, cfg=cfg, mode=mode, fake=qat_format(cfg)).float()
+        y_TD = y_TD + expert(x_TD, p["shared_experts"], None, cfg=cfg, mode=mode, fake=qat_format(cfg),
+                             impl=impl).float()
     y = y_TD.to(x.dtype).reshape(shape)
     return (y, (w_TK, idx_TK)) if return_routing else y
