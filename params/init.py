@@ -29,12 +29,12 @@ from .spec import Entry, _entries, master_dtype
 
 
 def _draw(e: Entry, gen: torch.Generator) -> torch.Tensor:
-    shape = e.logical
+    shape, dev = e.logical, gen.device
     if e.init == "ones":
-        return torch.ones(shape)
+        return torch.ones(shape, device=dev)
     if e.init == "zeros":
-        return torch.zeros(shape)
-    x = torch.randn(shape, generator=gen)
+        return torch.zeros(shape, device=dev)
+    x = torch.randn(shape, generator=gen, device=dev)
     if e.init == "small":
         return x.mul_(0.02)
     return x.mul_(1.0 / math.sqrt(shape[-1]))  # "linear": fan-in = last (input) dim
@@ -45,7 +45,7 @@ _QUANTIZERS = {"fp8": quant.quant_fp8_block, "fp4": quant.quant_fp4, "rows": qua
 
 def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
                 dtype_master: Optional[torch.dtype] = None, device: str | torch.device = "cpu",
-                tokenizer=None):
+                tokenizer=None, draw_on_device: bool = False):
     """A parameter tree of ``cfg`` with random values (same structure as ``param_spec(cfg)``).
 
     Default: storage dtypes of the release (fp8 e4m3 + e8m0 ``[ceil(out/32), ceil(in/32)]`` scales for
@@ -59,13 +59,16 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     unless ``dtype_master`` is given. ``param_spec(cfg, master=True)`` describes this tree.
 
     Deterministic for a seed (CPU generator; tensors are moved to ``device`` at the end).
+    ``draw_on_device=True``: draw and quantize on ``device`` with its own generator instead (seconds
+    instead of minutes for release-size layers on a GPU; deterministic per device type, but the
+    values differ from the CPU draws).
 
     ``tokenizer``: path of a ``tokenizer.json``; with Engram layers, the Engram token map built from it
     is stored at ``params["engram_token_map"]`` (``forward`` needs it; ``load_params`` does the same
     from a checkpoint folder). Its class count must equal ``cfg.engram_compressed_vocab_size``.
     """
     as_master = master or dtype_master is not None
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(int(seed))
     flat = {}
     for e in _entries(cfg):
         if e.fmt == "scale":
