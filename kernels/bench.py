@@ -194,8 +194,21 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
         print(f"  _bwd split: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+# fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
+# args.gemm_cfgs: 3 consumers x BN=128 (stages 3 / 4 / 5; 4-5 store C from registers), 2 consumers with two
+# temporaries (BK 128 / 256), 2 consumers at BN=192 (the ping-pong without turns), 3 consumers at BN=96 with two
+# temporaries, and the persistent variants (132 CTAs = the H200's SMs).
+FP8_WS_CFGS = [dict(kernel="ws"), dict(kernel="ws", store="direct"), dict(kernel="ws", stages=4),
+               dict(kernel="ws", stages=5), dict(kernel="ws", stages=4, persistent=132),
+               dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
+               dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), BK=256),
+               dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4, persistent=132),
+               dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
+               dict(kernel="ws", BN=96, double_tmp=True, stages=4)]
+
+
 def gemms(results, args):
-    """fp8 GEMM sweep over args.gemm_cfgs (default first) + the e2e call and the peers."""
+    """fp8 GEMM sweep over args.gemm_cfgs (default first) and FP8_WS_CFGS + the e2e call and the peers."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
@@ -205,11 +218,12 @@ def gemms(results, args):
         b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
         fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
         sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
-        for cfg in args.gemm_cfgs:
+        for cfg in [*args.gemm_cfgs, *FP8_WS_CFGS]:
             name = f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
             try:                                   # a failing variant prints its error, the sweep goes on
                 kc = dict(cfg)
-                build = fg.fp8_gemm_pingpong_kernel if kc.pop("kernel", "pingpong") == "pingpong" else fg.fp8_gemm_kernel
+                build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "loop": fg.fp8_gemm_kernel,
+                         "ws": fg.fp8_gemm_ws_kernel}[kc.pop("kernel", "pingpong")]
                 k = build(N, K, **kc)
                 results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by))
             except Exception as e:

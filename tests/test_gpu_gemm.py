@@ -42,11 +42,23 @@ def test_fp8_gemm(shape):
 # Configurations the bench sweeps; all must match like the default (BN=192, sync promotion; one main loop
 # since run 10, the v1 loop / v3 ping-pong / fp4 byte conversion were removed).
 # fp8: kernel "pingpong" (default where K % 128 == 0) and "loop" (any K multiple of 32)
-FP8_CFGS = [dict(kernel="loop"), dict(kernel="loop", BN=128, async_promote=True), dict(kernel="pingpong", BN=128)]
+# "ws" (K % 128 == 0): the warp-specialised kernel without turn-taking, BM = 64 * consumers (192 by default, so
+# M = 300 / 1000 leave a partial row block); persistent=132 = the H200's SM count (as the bench compiles it).
+FP8_WS_DT = dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4)
+FP8_CFGS = [dict(kernel="loop"), dict(kernel="loop", BN=128, async_promote=True), dict(kernel="pingpong", BN=128),
+            dict(kernel="ws"), FP8_WS_DT]
 FP8_WIDE_CFGS = [dict(kernel="loop", stages=3),
                  dict(kernel="loop", async_promote=False, BN=128, BM=192, threads=384),
                  dict(kernel="loop", async_promote=True, BN=128, BK=256, stages=3),
-                 dict(kernel="pingpong", stages=3)]
+                 dict(kernel="pingpong", stages=3),
+                 dict(kernel="ws", stages=4), dict(kernel="ws", stages=5), dict(kernel="ws", store="direct"),
+                 dict(kernel="ws", stages=4, persistent=132),
+                 dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), BK=256),
+                 dict(FP8_WS_DT, persistent=132),
+                 dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
+                 dict(kernel="ws", BN=96, double_tmp=True, stages=4)]
+FP8_WS_RELEASE_CFGS = [dict(kernel="ws"), dict(kernel="ws", stages=4), dict(kernel="ws", stages=4, persistent=132),
+                       FP8_WS_DT, dict(FP8_WS_DT, persistent=132)]
 FP4_CFGS = [dict(BN=128, async_promote=False), dict(BN=128, async_promote=True)]
 FP4_WIDE_CFGS = [dict(BN=128, BM=192, threads=384), dict(BN=192, stages=4)]
 _cfg_id = lambda c: ",".join(f"{k}={v}" for k, v in c.items())
@@ -67,7 +79,7 @@ def test_fp8_gemm_cfg(shape, cfg):
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     a, a_s, b, b_s = _fp8_operands(*shape)
-    if cfg.get("kernel") == "pingpong" and shape[2] % 128:
+    if cfg.get("kernel") in ("pingpong", "ws") and shape[2] % 128:
         with pytest.raises(ValueError, match="multiples of 128"):       # TMA scale tiles: K % 128 == 0
             fg.fp8_gemm(a, a_s, b, b_s, **cfg)
         return
@@ -80,6 +92,17 @@ def test_fp8_gemm_wide(shape, cfg):
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     a, a_s, b, b_s = _fp8_operands(*shape)
+    _check_close(fg.fp8_gemm(a, a_s, b, b_s, **cfg), K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
+
+
+@pytest.mark.parametrize("cfg", FP8_WS_RELEASE_CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("shape", [(1000, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_ws_release(shape, cfg):
+    """The ws kernel at the release's shapes (and 1000 rows: a partial 192-row block, masked stores)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape, seed=2)
     _check_close(fg.fp8_gemm(a, a_s, b, b_s, **cfg), K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
 
 

@@ -7,12 +7,20 @@ power-of-two scales (the release kernel's order: sum each K block, scale, accumu
 is ``_gemm.promote_loop``, shared with the fp4 GEMM (FullRow warpgroups, scale product precomputed per
 (row, 32-column block): one FFMA per accumulator element per slice).
 
-Two kernels over that math. ``fp8_gemm_pingpong_kernel`` (the default where K is a multiple of 128): a
+Three kernels over that math. ``fp8_gemm_pingpong_kernel`` (the default where K is a multiple of 128): a
 producer warpgroup TMA-loads A, B and both scale tiles into a ring of mbarrier stages, and two consumer
 warpgroups, each owning 64 rows of the 128-row tile, take strict turns on the tensor core (one issues its
 slice's WGMMA after the other's completed), so one consumer's promotion overlaps the other's WGMMA.
 ``fp8_gemm_kernel`` is the same loop scheduled by TileLang's pipeliner (``_gemm.promote_loop``, shared with
 the fp4 GEMM): both consumers restart every K tile on the same barrier and promote in lock step.
+``fp8_gemm_ws_kernel`` (``kernel="ws"``, not yet measured): the producer/consumer ring of the ping-pong without
+the turn barriers, with 2 or 3 consumer warpgroups (BM = 64 per consumer). Why: in the ping-pong each slice's
+chain is WGMMA latency + barrier hand-over + the peer's WGMMA latency + hand-over, so the tensor core idles
+(29% of fp8 peak); with 3 free-running consumers at BN=128 (WGMMA 64 tensor cycles, promotion 64 FFMA issue
+cycles per SMSP per slice) two consumers' WGMMAs are queued while the third promotes. Variants: two
+temporaries per consumer (``double_tmp``: slice g + 1's WGMMA runs while slice g is promoted; 2 consumers, 240
+registers), more stages with C written from registers (``store="direct"``), and a persistent grid (one CTA per
+SM walking grouped tiles, so a tile's epilogue overlaps the next tile's loads).
 
 Measured (H200, runs 10-11): ping-pong at BN=192, 2 stages 569 / 584 / 522 TFLOP/s at 4096x{5120x5120,
 2304x5120, 5120x2304} (3 stages 560 / 559-571 / 521-527); the pipelined loop at BN=192 549 / 541 / 508 (BN=128 477, async promotion + BK=256
@@ -21,7 +29,8 @@ per element, 359-386), the ping-pong's hand-over-at-issue and async-promotion or
 Limit now: promotion costs one FFMA per accumulator element per 32-deep slice, about the cycles of the slice's
 WGMMA, and the strict alternation still leaves the tensor core idle while both consumers wait on the TMA ring
 (~60% of the 900 target). Next step: three consumer warpgroups (or BN=256 with a register-light promotion) so
-that two WGMMAs are always queued, and a persistent tile scheduler to overlap each tile's epilogue.
+that two WGMMAs are always queued, and a persistent tile scheduler to overlap each tile's epilogue: both are
+``fp8_gemm_ws_kernel`` (bench section "gemm" sweeps its variants).
 """
 import functools
 
@@ -30,7 +39,7 @@ import tilelang.language as T
 
 from functional_dsv41 import quant
 
-from ._common import compile_kernel
+from ._common import compile_kernel, sm_count
 from ._gemm import promote_loop
 
 SMEM_MAX = 227 * 1024 - 1024          # dynamic shared memory per CTA (H100/H200), minus barriers
@@ -187,6 +196,207 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     return compile_kernel(fp8_gemm_pingpong, out_idx=[4])
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: int = 128, stages: int = 3,
+                       double_tmp: bool = False, swizzle: int = 8, nreg: tuple = (160, 24), store: str = "auto",
+                       persistent: int = 0, group: int = 8):
+    """The warp-specialised kernel without turn-taking (``128 * (consumers + 1)`` threads, BM = 64 * consumers).
+
+    * the last warpgroup, the producer (``nreg[1]`` registers), TMA-loads A [BM, BK], B [BN, BK] and their fp32
+      scales into ring stage i % stages (``full``: 128 arrivals + the TMA bytes) once every consumer released it
+      (``empty``: 128 * consumers arrivals);
+    * consumer w (``nreg[0]`` registers) owns output rows [64 w, 64 w + 64) and runs every 32-deep slice on its
+      own, WGMMA m64nBNk32 -> wait -> promote (one FFMA per accumulator element), with no barrier between the
+      consumers: while one promotes, the others' WGMMAs are queued on the tensor core, so with 3 consumers at
+      BN=128 (64 tensor cycles and 64 FFMA issue cycles per SMSP per slice) both pipes can stay busy.
+      Registers: acc BN/2 + tmp BN/2 per thread = 128 at BN=128, under 160 (3 * 160 + 24 <= 512 per thread of
+      the 4 warpgroups' 64K registers).
+    * ``double_tmp`` (2 consumers, nreg 240): two temporaries; slice g + 1's WGMMA is issued before slice g is
+      promoted (``wait_wgmma(1)``: g complete, g + 1 may still run) within a stage; the stage's last slice is
+      drained (``wait_wgmma(0)``) and promoted before the stage is released (its WGMMAs completed and its
+      scales read). Not across stages: ptxas then serialises every WGMMA (C7514; checked with -Xptxas -v).
+    * ``store``: "smem" stages each consumer's bf16 tile in shared memory and TMA-stores it (after a ``done``
+      barrier: the planner may overlay the tiles on the ring); "direct" writes bf16 pairs from registers (rows
+      >= M masked); "auto" = smem where it fits beside the ring, else direct.
+    * ``persistent`` = number of CTAs (e.g. 132 on the H200): each CTA walks tiles bid, bid + persistent, ...
+      in a grouped order (``group`` row blocks of BM share the B tiles), the ring's stage/phase counter
+      continuing across tiles, so the producer loads tile i + 1 while the consumers store tile i (direct store:
+      no staging tile can alias the ring while the producer runs ahead).
+    Numerics: those of ``_gemm.promote_loop`` (fp8 32x32 weight blocks: one FFMA per element per slice).
+    TMA needs K and BK multiples of 128 (a [rows, BK/32] fp32 scale box of >= 16 bytes a row).
+    """
+    M = T.dynamic("M")
+    W, NC = 64, BN // 32
+    BM = W * consumers
+    KB, SB, NK = K // 32, BK // 32, K // BK
+    threads = 128 * (consumers + 1)
+    if K % BK or BK % 128 or BN % 32:
+        raise ValueError(f"fp8_gemm ws: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 32")
+    if consumers not in (2, 3) or (double_tmp and SB % 2):
+        raise ValueError(f"fp8_gemm ws: consumers={consumers} must be 2 or 3 (double_tmp needs BK/32 even)")
+    if consumers * nreg[0] + nreg[1] > 512 or nreg[0] % 8 or nreg[1] % 8:
+        raise ValueError(f"fp8_gemm ws: nreg={nreg} over 64K registers for {consumers} consumers")
+    ring = stages * (BM + BN) * (BK + SB * 4)
+    if store == "auto":
+        store = "smem" if not persistent and ring + BM * BN * 2 <= SMEM_MAX else "direct"
+    if ring + (BM * BN * 2 if store == "smem" else 0) > SMEM_MAX or (persistent and store == "smem"):
+        raise ValueError(f"fp8_gemm ws: shared memory {ring} B (+ staging, store={store}) over {SMEM_MAX}")
+
+    @T.macro
+    def promote(w, s, kk, tmp, acc, sp, sa, sb):
+        for i, c in T.Parallel(W, NC):
+            sp[i, c] = sa[s, w * W + i, kk] * sb[s, c * 32, kk]
+        for i, j in T.Parallel(W, BN):
+            acc[i, j] += tmp[i, j] * sp[i, j // 32]
+
+    @T.macro
+    def issue(w, s, kk, tmp, a_s, b_s):
+        T.wgmma_gemm(a_s[s, w * W:(w + 1) * W, kk * 32:(kk + 1) * 32], b_s[s, :, kk * 32:(kk + 1) * 32], tmp,
+                     transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def stage_single(w, t, k, acc, tmp0, sp, a_s, b_s, sa, sb, full, empty):
+        it = t * NK + k                                 # ring position, continuing across tiles
+        s = it % stages
+        T.barrier_wait(full[s], (it // stages) % 2)
+        for kk in T.unroll(SB):
+            issue(w, s, kk, tmp0, a_s, b_s)
+            T.wait_wgmma(0)
+            promote(w, s, kk, tmp0, acc, sp, sa, sb)
+        T.barrier_arrive(empty[s])
+
+    @T.macro
+    def stage_double(w, t, k, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty):
+        """Slices 2h -> tmp0, 2h+1 -> tmp1, each promoted while the next one's WGMMA runs; drained at the end of
+        the stage (a WGMMA in flight across the stage boundary, i.e. across the mbarrier wait loop and the loop's
+        back edge, makes ptxas serialise every WGMMA: warning C7514)."""
+        it = t * NK + k
+        s = it % stages
+        T.barrier_wait(full[s], (it // stages) % 2)
+        for h in T.unroll(SB // 2):
+            issue(w, s, 2 * h, tmp0, a_s, b_s)
+            if h > 0:
+                T.wait_wgmma(1)                         # slice 2h-1 done (2h may run)
+                promote(w, s, 2 * h - 1, tmp1, acc, sp, sa, sb)
+            issue(w, s, 2 * h + 1, tmp1, a_s, b_s)
+            T.wait_wgmma(1)                             # slice 2h done (2h+1 may run)
+            promote(w, s, 2 * h, tmp0, acc, sp, sa, sb)
+        T.wait_wgmma(0)
+        promote(w, s, SB - 1, tmp1, acc, sp, sa, sb)
+        T.barrier_arrive(empty[s])                      # its WGMMAs completed, its scales read
+
+    @T.macro
+    def mainloop(w, t, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty):
+        T.clear(acc)
+        for k in T.serial(NK):
+            if double_tmp:
+                stage_double(w, t, k, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty)
+            else:
+                stage_single(w, t, k, acc, tmp0, sp, a_s, b_s, sa, sb, full, empty)
+
+    def tile_of(t, bid):
+        """(bx, by) of a persistent CTA's t-th tile: grouped order, ``group`` row blocks of BM per band."""
+        tm, tn = T.ceildiv(M, BM), T.ceildiv(N, BN)
+        tile = bid + t * persistent
+        band = tile // (group * tn)
+        rows = T.min(tm - band * group, group)
+        r = tile % (group * tn)
+        return r // rows, band * group + r % rows
+
+    @T.macro
+    def consumer(w, a_s, b_s, sa, sb, full, empty, done, C, bx, by):
+        acc = T.alloc_fragment([W, BN], F32)
+        tmp0 = T.alloc_fragment([W, BN], F32)
+        tmp1 = T.alloc_fragment([W, BN], F32) if double_tmp else tmp0
+        sp = T.alloc_fragment([W, NC], F32)
+        if persistent:
+            for t in T.serial(T.ceildiv(T.ceildiv(M, BM) * T.ceildiv(N, BN) - bx, persistent)):
+                tx_, ty_ = tile_of(t, bx)
+                mainloop(w, t, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty)
+                T.copy(acc, C[ty_ * BM + w * W, tx_ * BN])
+        else:
+            mainloop(w, 0, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty)
+            if store == "smem":
+                c_s = T.alloc_shared([W, BN], BF16)
+                T.barrier_arrive(done)                  # every consumer past its last read of the ring
+                T.barrier_wait(done, 0)
+                T.copy(acc, c_s)
+                T.copy(c_s, C[by * BM + w * W, bx * BN])
+            else:
+                T.copy(acc, C[by * BM + w * W, bx * BN])
+
+    @T.macro
+    def load(it, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs):
+        s = it % stages
+        T.barrier_wait(empty[s], ((it // stages) % 2) ^ 1)
+        T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
+        T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
+        T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
+        T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
+        T.barrier_arrive(full[s])
+
+    @T.macro
+    def producer(a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs, bx, by):
+        if persistent:
+            for t in T.serial(T.ceildiv(T.ceildiv(M, BM) * T.ceildiv(N, BN) - bx, persistent)):
+                tx_, ty_ = tile_of(t, bx)
+                for k in T.serial(NK):
+                    load(t * NK + k, k, tx_, ty_, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs)
+        else:
+            for k in T.serial(NK):
+                load(k, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs)
+
+    if consumers == 2:
+        @T.macro
+        def consumers_of(tx, a_s, b_s, sa, sb, full, empty, done, C, bx, by):
+            if tx < 128:
+                consumer(0, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+            else:
+                consumer(1, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+    else:
+        @T.macro
+        def consumers_of(tx, a_s, b_s, sa, sb, full, empty, done, C, bx, by):
+            if tx < 128:
+                consumer(0, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+            elif tx < 256:
+                consumer(1, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+            else:
+                consumer(2, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+
+    @T.macro
+    def body(A, As, Bm, Bs, C, bx, by):
+        a_s = T.alloc_shared([stages, BM, BK], FP8)
+        b_s = T.alloc_shared([stages, BN, BK], FP8)
+        sa = T.alloc_shared([stages, BM, SB], F32)
+        sb = T.alloc_shared([stages, BN, SB], F32)
+        full = T.alloc_barrier(arrive_count=[128] * stages)
+        empty = T.alloc_barrier(arrive_count=[128 * consumers] * stages)
+        done = T.alloc_barrier(arrive_count=128 * consumers)
+        tx = T.get_thread_binding()
+        if tx >= 128 * consumers:
+            T.set_max_nreg(nreg[1], 0)
+            producer(a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs, bx, by)
+        else:
+            T.set_max_nreg(nreg[0], 1)
+            consumers_of(tx, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+
+    if persistent:
+        @T.prim_func
+        def fp8_gemm_ws(A: T.Tensor([M, K], FP8), As: T.Tensor([M, KB], F32), Bm: T.Tensor([N, K], FP8),
+                        Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
+            with T.Kernel(persistent, threads=threads) as bid:
+                body(A, As, Bm, Bs, C, bid, 0)
+    else:
+        @T.prim_func
+        def fp8_gemm_ws(A: T.Tensor([M, K], FP8), As: T.Tensor([M, KB], F32), Bm: T.Tensor([N, K], FP8),
+                        Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
+            with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
+                T.use_swizzle(swizzle)
+                body(A, As, Bm, Bs, C, bx, by)
+
+    return compile_kernel(fp8_gemm_ws, out_idx=[4])
+
+
 def _scales(s: torch.Tensor) -> torch.Tensor:
     return (quant.e8m0_to_float(s) if s.dtype == quant.E8M0 else s.float()).contiguous()
 
@@ -207,7 +417,8 @@ def _pick_bk(K: int) -> int:
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
     """Same contract as ``reference.fp8_gemm`` (block_size 32 only). ``kernel``: "pingpong" (default where K
-    is a multiple of 128) or "loop" (``fp8_gemm_kernel``, any K multiple of 32); other cfg keys go to it."""
+    is a multiple of 128), "ws" (``fp8_gemm_ws_kernel``, K a multiple of 128; ``persistent=True`` = one CTA per
+    SM) or "loop" (``fp8_gemm_kernel``, any K multiple of 32); other cfg keys go to it."""
     if block_size != 32:
         raise NotImplementedError("fp8_gemm (tilelang): block_size 32 only")
     K = a.shape[-1]
@@ -218,10 +429,16 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     kernel = cfg.pop("kernel", "pingpong" if K % 128 == 0 else "loop")
     if kernel == "pingpong":
         kern = fp8_gemm_pingpong_kernel(N, K, **cfg)
+    elif kernel == "ws":
+        if cfg.get("persistent") is True:
+            cfg["persistent"] = sm_count(a.device)
+        if "nreg" in cfg:
+            cfg["nreg"] = tuple(cfg["nreg"])
+        kern = fp8_gemm_ws_kernel(N, K, **cfg)
     elif kernel == "loop":
         bk = cfg.pop("BK", _pick_bk(K))
         kern = fp8_gemm_kernel(N, K, BK=bk, **cfg)
     else:
-        raise ValueError(f"fp8_gemm (tilelang): kernel must be 'pingpong' or 'loop', got {kernel!r}")
+        raise ValueError(f"fp8_gemm (tilelang): kernel must be 'pingpong', 'ws' or 'loop', got {kernel!r}")
     c = kern(a2, sa, b.contiguous(), _col_scales(b_s, N))
     return c.reshape(*lead, N).to(out_dtype)
