@@ -87,8 +87,8 @@ def attention_fwd(results, args):
     o = sa._fwd(q, kv, sink, idx, scale)[0]
     results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
                        bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
-    for impl in ("ws", "lockstep"):
-        for block in (64, 128):
+    for impl in ("ws", "lockstep", "seesaw"):
+        for block in ((64,) if impl == "seesaw" else (64, 128)):     # seesaw: block 64 only (same kernel)
             try:
                 o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
                 results.append(row(f"  _fwd impl={impl} block={block}",
@@ -106,6 +106,20 @@ def attention_fwd(results, args):
             else:
                 ip = sa._pad_idx(idx, 128)
                 kf = sa.fwd_kernel(H, D, ip.shape[-1], scale, **cfg)
+            o = kf(q, kv, sink, ip)[0]
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip)), fl, by_f, dist(o)))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # fwd_kernel_seesaw variants (BI / stages / hole mask seeded or applied after QK / pair loop unrolled
+    # or not); the distance printed is to the lock-step kernel (block 64): BI = 32 moves the max per 32
+    # slots, so it is ~1e-7 away by bf16 rounding of P, the others should match to a few outputs
+    seesaw_cfgs = [dict(BI=64, stages=2), dict(BI=32, stages=4), dict(BI=64, stages=2, seed=False),
+                   dict(BI=64, stages=2, unroll=False), dict(BI=64, stages=2, qk_split=4)]
+    for cfg in seesaw_cfgs:
+        name = f"  seesaw kernel {json.dumps(cfg, separators=(',', ':'))}"
+        try:
+            ip = sa._pad_idx(idx, 2 * cfg["BI"])
+            kf = sa.fwd_kernel_seesaw(H, D, ip.shape[-1], scale, **cfg)
             o = kf(q, kv, sink, ip)[0]
             results.append(row(name, bench(lambda: kf(q, kv, sink, ip)), fl, by_f, dist(o)))
         except Exception as e:
@@ -197,14 +211,14 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
 # fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
 # args.gemm_cfgs: 3 consumers x BN=128 (stages 3 / 4 / 5; 4-5 store C from registers), 2 consumers with two
 # temporaries (BK 128 / 256), 2 consumers at BN=192 (the ping-pong without turns), 3 consumers at BN=96 with two
-# temporaries, and the persistent variants (132 CTAs = the H200's SMs).
+# temporaries, 3 consumers at BK=256 (2 stages), and the persistent variants (132 CTAs = the H200's SMs).
 FP8_WS_CFGS = [dict(kernel="ws"), dict(kernel="ws", store="direct"), dict(kernel="ws", stages=4),
                dict(kernel="ws", stages=5), dict(kernel="ws", stages=4, persistent=132),
                dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
                dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), BK=256),
                dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4, persistent=132),
                dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
-               dict(kernel="ws", BN=96, double_tmp=True, stages=4)]
+               dict(kernel="ws", BN=96, double_tmp=True, stages=4), dict(kernel="ws", BK=256, stages=2)]
 
 
 def gemms(results, args):

@@ -114,6 +114,8 @@ def _check_fwd_impl(q, kv, sink, idx, scale, impl, block):
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     o, lse = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)
     eff = 128 if (block == 128 and q.shape[2] % 64 == 0) else 64                      # as _fwd resolves it
+    if impl == "seesaw":
+        eff = sa.FWD_SEESAW_CFG["BI"] if sa.ws_fits(q.shape[2], q.shape[3]) else 64    # its max moves per BI
     _check_fwd_out(o, lse, q, kv, sink, idx, scale, eff, f"{impl} block={block}")
 
 
@@ -143,7 +145,7 @@ FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "lockstep"])
+@pytest.mark.parametrize("impl", ["ws", "lockstep", "seesaw"])
 @pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_impl(shape, impl, block):
     """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl);
@@ -156,7 +158,7 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "lockstep"])
+@pytest.mark.parametrize("impl", ["ws", "lockstep", "seesaw"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
     M, H, D, n_comp = 4096, 64, 512, 2048
@@ -166,6 +168,39 @@ def test_sparse_attn_fwd_impl_release(impl, block):
     sink = torch.randn(H, device=DEV, generator=g)
     idx = _release_idx(M, M, n_comp)
     _check_fwd_impl(q, kv, sink, idx, D ** -0.5, impl, block)
+
+
+# fwd_kernel_seesaw configurations beyond FWD_SEESAW_CFG (the bench's sweep), each against
+# reference.sparse_attn(block=BI); shapes: the release width at T = 640 and D = 256 with odd M, T padded
+SEESAW_CFGS = [dict(BI=32, stages=4), dict(BI=64, stages=2, seed=False), dict(BI=64, stages=2, unroll=False),
+               dict(BI=64, stages=2, qk_split=4)]
+
+
+@pytest.mark.parametrize("cfg", SEESAW_CFGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("shape", [(2, 64, 64, 512, 700, 640), (3, 37, 64, 256, 333, 130)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_seesaw_cfg(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    if shape[3] == 256 and cfg != SEESAW_CFGS[0]:
+        pytest.skip("D = 256 runs the BI = 32 variant only (fewer compiled kernels)")
+    q, kv, sink, idx = _attn_inputs(*shape, seed=12)
+    idx[-1, 1, :100] = -1                              # a leading run of holes (max from -1e30)
+    idx[0, 3, 64:192] = -1                             # whole blocks of holes mid-row
+    scale = shape[3] ** -0.5
+    ip = sa._pad_idx(idx, 2 * cfg["BI"])
+    o, lse = sa.fwd_kernel_seesaw(64, shape[3], ip.shape[-1], scale, **cfg)(q, kv, sink.float(), ip)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, cfg["BI"], f"seesaw {cfg}")
+
+
+def test_sparse_attn_seesaw_grad(monkeypatch):
+    """The backward from the seesaw forward's LSE (FWD_DEFAULT = "seesaw" through the public op)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    monkeypatch.setattr(sa, "FWD_DEFAULT", "seesaw")
+    q, kv, sink, idx = _attn_inputs(1, 48, 64, 512, 400, 640, seed=3, empty_row=False)
+    do = torch.randn(q.shape, device=DEV).bfloat16()
+    _check_grads(q, kv, sink, idx, do, 512 ** -0.5)
 
 
 def test_sparse_attn_fwd_ws_is_default():

@@ -21,6 +21,11 @@ m64n32 WGMMA (small N, poor tensor-core occupancy). Next step: deeper decoupling
 the consumers and a wider QK tile per consumer. (A D-split variant, ``fwd_kernel_ws2``, was removed
 after run 10: its default did not fit the H200's shared memory and its variants ran 194-315 TFLOP/s.)
 
+Third (``impl="seesaw"``, H = 64, not yet the default): ``fwd_kernel_seesaw``, FlashMLA's "seesaw"
+schedule - each consumer computes S of every other 64-slot block (m64n64 QK) and owns a D half of the
+output; the two alternate their softmaxes so one's exponentials overlap the other's WGMMAs, and they
+meet once per block (the max of the last block is passed on); running max per BI-slot block.
+
 Backward (the release ships none): Delta_h = dO_h . O_h; recompute P from q, kv and LSE;
 dP = dO kv^T; dS = scale * P * (dP - Delta); dq = dS kv; dkv[idx_t] += dS^T q + P^T dO (fp32 atomics
 into a [B, N, D] fp32 buffer); dsink_h = -sum P_sink * Delta with P_sink = exp2(sink log2e - LSE).
@@ -330,6 +335,301 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
 
 
 @functools.lru_cache(maxsize=None)
+def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, nreg: tuple = (240, 32),
+                      early: tuple = (True, True), seed: bool = True, unroll: bool = True, qk_split: int = 1):
+    """o, lse = fwd(q, kv, sink, idx), "seesaw" schedule (384 threads); H == 64, TP a multiple of 2 * BI.
+
+    Roles. Warpgroup 2, the producer (``nreg[1]`` registers), loads Q once, then gathers the KV rows of
+    index block j (BI slots) into shared stage j % stages with cp.async, together with the block's 32-bit
+    indices (so the consumers seed their QK accumulators with the hole mask from shared memory, not from
+    global loads); ``full[s]`` signals the stage, ``empty[s]`` (both consumers) frees it.
+    Consumer 0 owns output columns [0, D/2) and computes S = Q K^T of the EVEN blocks, consumer 1 owns
+    [D/2, D) and the ODD blocks (m64 n_BI k_D WGMMAs, Q read from shared memory). Per pair i (blocks
+    2i, 2i+1), with m the running max after block 2i-1:
+      WG0: m0 = max(m, rowmax S0); P0 = bf16(exp2(c S0 - c m0)); publish P0, m0 (bar_p0);
+           O_L = O_L exp2(c (m - m0)) + P0 V_2i[:, L]; wait P1, m1 (bar_p1);
+           O_L = O_L exp2(c (m0 - m1)) + P1 V_2i+1[:, L]  (the next even QK is issued before this wait).
+      WG1: (S1 in flight) wait P0, m0; O_R = O_R exp2(c (m - m0)) + P0 V_2i[:, R] (issued before its
+           softmax, which then overlaps that PV); m1 = max(m0, rowmax S1); P1 = bf16(exp2(c S1 - c m1));
+           publish P1, m1; O_R = O_R exp2(c (m0 - m1)) + P1 V_2i+1[:, R]; issue the next odd QK.
+    So one consumer's softmax runs while the other's WGMMAs keep the tensor cores busy, and the two
+    meet once per block, not twice per pair. Both compute the rescale factors themselves from the
+    exchanged maxima (same fp32 expression, identical bits).
+
+    Numerics: exactly the recurrence of ``reference.sparse_attn(block=BI)`` - the running max moves
+    once per BI-slot block, P is rounded to bf16 against that block's max. Each consumer keeps the fp32
+    probability sum of its own blocks, rescaled by every factor it applies to its output half; the
+    two sums (under the same final max) are added with the sink exp2(sink log2e - c m) at the end;
+    LSE = log2(l) + c m as ``fwd_kernel``. Holes gather row 0 (finite) with S seeded -inf: p exactly 0.
+
+    Buffer reuse: P0 / m0 (P1 / m1) may be rewritten only after the other consumer's PV that reads
+    them completed (``free0`` / ``free1``, pre-arrived once); a stage is released by each consumer
+    after its last WGMMA on it completed. Shared memory: Q + stages * BI * D * 2 + 2 * 64 * BI * 2
+    bytes (BI = 64, 2 stages: 208 KB; BI = 32, 4 stages: 200 KB).
+    """
+    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
+    if H != 64:
+        raise ValueError("fwd_kernel_seesaw: H must be 64 (one warpgroup's WGMMA M)")
+    if D % 128 or D > 512:
+        raise ValueError("fwd_kernel_seesaw: D must be a multiple of 128, <= 512")
+    if TP % (2 * BI) or stages < 2 or BI % 16:
+        raise ValueError("fwd_kernel_seesaw: TP a multiple of 2*BI, stages >= 2, BI a multiple of 16")
+    if (H + stages * BI) * D * 2 + 2 * H * BI * 2 + stages * BI * 4 > 227 * 1024 - 2048:
+        raise ValueError("fwd_kernel_seesaw: shared memory over 227 KB")
+    NI = TP // BI
+    NP = NI // 2
+    NS = stages
+    DH = D // 2
+    c = float(scale) * LOG2E
+    CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
+    QG = int(qk_split)                  # commit groups a QK is issued in (fewer live WGMMA descriptors)
+    DK = D // QG
+    if D % QG or DK % 64 or (QG > 1 and not seed):
+        raise ValueError("fwd_kernel_seesaw: qk_split must cut D into multiples of 64 (and needs seed)")
+
+    @T.macro
+    def issue_qk(j, acc_s, q_s, kv_s, idx_s, full):
+        """S = (0 or -inf per slot) + Q K_j^T into acc_s (seed; else plain Q K_j^T, masked by
+        ``mask`` once complete); asynchronous (T.wait_wgmma)."""
+        T.barrier_wait(full[j % NS], (j // NS) % 2)
+        if seed:
+            for h, t in T.Parallel(H, BI):
+                acc_s[h, t] = T.if_then_else(idx_s[j % NS, t] >= 0, 0, -T.infinity(F32))
+        if QG == 1:
+            T.wgmma_gemm(q_s, kv_s[j % NS, :, :], acc_s, transpose_B=True, clear_accum=not seed)
+        else:                               # QG commit groups over D slices (a runtime loop)
+            for kc in T.serial(QG):
+                T.wgmma_gemm(q_s[:, kc * DK:(kc + 1) * DK], kv_s[j % NS, :, kc * DK:(kc + 1) * DK], acc_s,
+                             transpose_B=True)
+
+    @T.macro
+    def mask(j, acc_s, idx_s):
+        """Holes of block j to -inf (after its QK completed; only without ``seed``)."""
+        if not seed:
+            for h, t in T.Parallel(H, BI):
+                acc_s[h, t] = T.if_then_else(idx_s[j % NS, t] >= 0, acc_s[h, t], -T.infinity(F32))
+
+    @T.macro
+    def pair0(i, first, last, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
+              bar_p0, bar_p1, free0, free1):
+        """Consumer 0, pair i: S of block 2i is in flight in acc_s (and, unless first, PV1 of pair i-1)."""
+        j0 = 2 * i
+        j1 = 2 * i + 1
+        if not early[0] and not first:
+            issue_qk(j0, acc_s, q_s, kv_s, idx_s, full)
+            T.wait_wgmma(0)
+        elif first:
+            T.wait_wgmma(0)
+        else:
+            T.wait_wgmma(1)                             # S0 done, PV1 of pair i-1 may still run
+        mask(j0, acc_s, idx_s)
+        T.copy(m, m0)
+        T.reduce_max(acc_s, m0, dim=1, clear=False)    # m0 = max(m, rowmax S0)
+        for h in T.Parallel(H):
+            a[h] = T.exp2((m[h] - m0[h]) * c)
+        for h, t in T.Parallel(H, BI):
+            acc_s[h, t] = T.exp2(acc_s[h, t] * c - m0[h] * c)
+        T.reduce_sum(acc_s, ls, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h] + ls[h]
+        T.barrier_wait(free0, i % 2)                   # consumer 1 is done with P0 / m0 of pair i-1
+        T.copy(acc_s, p_s[0, :, :])
+        T.copy(m0, mx_s[0, :])
+        T.fence_proxy_async()                           # P: generic stores, read next by WGMMA (async proxy)
+        T.barrier_arrive(bar_p0)
+        if not first:
+            T.wait_wgmma(0)                             # PV1 of pair i-1 done: its stage and P1 are free
+            T.barrier_arrive(empty[(j0 - 1) % NS])
+            T.barrier_arrive(free1)
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] *= a[h]
+        T.wgmma_gemm(p_s[0, :, :], kv_s[j0 % NS, :, 0:DH], acc_o)
+        if early[0] and not last:
+            issue_qk(j0 + 2, acc_s, q_s, kv_s, idx_s, full)
+        T.barrier_wait(bar_p1, i % 2)                  # P1, m1 of pair i
+        for h in T.Parallel(H):
+            m[h] = mx_s[1, h]
+        for h in T.Parallel(H):
+            a[h] = T.exp2((m0[h] - m[h]) * c)           # beta
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h]
+        if last or not early[0]:
+            T.wait_wgmma(0)
+        else:
+            T.wait_wgmma(QG)                            # PV0 done, the next S0 may still run
+        T.barrier_arrive(empty[j0 % NS])
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] *= a[h]
+        T.barrier_wait(full[j1 % NS], (j1 // NS) % 2)
+        T.wgmma_gemm(p_s[1, :, :], kv_s[j1 % NS, :, 0:DH], acc_o)
+
+    @T.macro
+    def pair1(i, first, last, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
+              bar_p0, bar_p1, free0, free1):
+        """Consumer 1, pair i: S of block 2i+1 is in flight in acc_s (and, unless first, PV1 of pair i-1)."""
+        j0 = 2 * i
+        j1 = 2 * i + 1
+        if not early[1] and not first:
+            T.wait_wgmma(0)
+            issue_qk(j1, acc_s, q_s, kv_s, idx_s, full)
+        T.barrier_wait(bar_p0, i % 2)                  # P0, m0 of pair i
+        T.wait_wgmma(QG)                                # PV1 of pair i-1 done, S1 may still run
+        if not first:
+            T.barrier_arrive(empty[(j1 - 2) % NS])
+        for h in T.Parallel(H):
+            m0[h] = mx_s[0, h]
+        for h in T.Parallel(H):
+            a[h] = T.exp2((m[h] - m0[h]) * c)           # alpha
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h]
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] *= a[h]
+        T.barrier_wait(full[j0 % NS], (j0 // NS) % 2)
+        T.wgmma_gemm(p_s[0, :, :], kv_s[j0 % NS, :, DH:D], acc_o)
+        T.wait_wgmma(1)                                 # S1 done; PV0 runs under the softmax
+        mask(j1, acc_s, idx_s)
+        T.copy(m0, m)
+        T.reduce_max(acc_s, m, dim=1, clear=False)     # m1 = max(m0, rowmax S1)
+        for h in T.Parallel(H):
+            a[h] = T.exp2((m0[h] - m[h]) * c)           # beta
+        for h, t in T.Parallel(H, BI):
+            acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
+        T.reduce_sum(acc_s, ls, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h] + ls[h]
+        T.barrier_wait(free1, i % 2)                   # consumer 0 is done with P1 / m1 of pair i-1
+        T.copy(acc_s, p_s[1, :, :])
+        T.copy(m, mx_s[1, :])
+        T.fence_proxy_async()
+        T.barrier_arrive(bar_p1)
+        T.wait_wgmma(0)                                 # PV0 done: P0 and (for me) stage 2i free
+        T.barrier_arrive(empty[j0 % NS])
+        T.barrier_arrive(free0)
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] *= a[h]
+        T.wgmma_gemm(p_s[1, :, :], kv_s[j1 % NS, :, DH:D], acc_o)
+        if early[1] and not last:
+            issue_qk(j1 + 2, acc_s, q_s, kv_s, idx_s, full)
+
+    @T.macro
+    def consumer(w, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, full, empty,
+                 bar_p0, bar_p1, free0, free1, bar_end, Sink, O, Lse, bi, mi):
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        T.fill(m, -1e30)
+        if w == 0:
+            T.barrier_arrive(free1)                     # pre-arrive: P1 / m1 buffers start free
+        else:
+            T.barrier_arrive(free0)
+        T.barrier_wait(bar_q, 0)
+        issue_qk(w, acc_s, q_s, kv_s, idx_s, full)
+        pair = pair0 if w == 0 else pair1
+        if NP == 1:
+            pair(0, True, True, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
+                 bar_p0, bar_p1, free0, free1)
+        else:
+            pair(0, True, False, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
+                 bar_p0, bar_p1, free0, free1)
+            for i in (T.unroll if unroll else T.serial)(NP - 2):
+                pair(i + 1, False, False, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full,
+                     empty, bar_p0, bar_p1, free0, free1)
+            pair(NP - 1, False, True, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
+                 bar_p0, bar_p1, free0, free1)
+        T.wait_wgmma(0)
+        # both sums are under the same final max m (= m1 of the last pair); this exchange also tells
+        # each consumer that the other is past its last WGMMA on q_s (reused for the output)
+        T.copy(l, sum_s[w, :])
+        T.barrier_arrive(bar_end)
+        T.barrier_wait(bar_end, 0)
+        for h in T.Parallel(H):
+            l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] /= l[h]
+        T.copy(acc_o, q_s[:, w * DH:(w + 1) * DH])
+        T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+        if w == 0:
+            for h in T.Parallel(H):
+                ls[h] = T.log2(l[h]) + m[h] * c
+            T.copy(ls, Lse[bi, mi, :])
+
+    @T.prim_func
+    def sparse_attn_fwd_seesaw(
+        Q: T.Tensor([B, M, H, D], BF16),
+        KV: T.Tensor([B, N, D], BF16),
+        Sink: T.Tensor([H], F32),
+        Idx: T.Tensor([B, M, TP], I32),
+        O: T.Tensor([B, M, H, D], BF16),
+        Lse: T.Tensor([B, M, H], F32),
+    ):
+        with T.Kernel(M, B, threads=384) as (mi, bi):
+            q_s = T.alloc_shared([H, D], BF16)
+            kv_s = T.alloc_shared([NS, BI, D], BF16)
+            idx_s = T.alloc_shared([NS, BI], I32)
+            p_s = T.alloc_shared([2, H, BI], BF16)
+            mx_s = T.alloc_shared([2, H], F32)
+            sum_s = T.alloc_shared([2, H], F32)
+
+            acc_s0 = T.alloc_fragment([H, BI], F32)
+            acc_o0 = T.alloc_fragment([H, DH], F32)
+            m_0 = T.alloc_fragment([H], F32)
+            m0_0 = T.alloc_fragment([H], F32)
+            a_0 = T.alloc_fragment([H], F32)
+            ls_0 = T.alloc_fragment([H], F32)
+            l_0 = T.alloc_fragment([H], F32)
+            acc_s1 = T.alloc_fragment([H, BI], F32)
+            acc_o1 = T.alloc_fragment([H, DH], F32)
+            m_1 = T.alloc_fragment([H], F32)
+            m0_1 = T.alloc_fragment([H], F32)
+            a_1 = T.alloc_fragment([H], F32)
+            ls_1 = T.alloc_fragment([H], F32)
+            l_1 = T.alloc_fragment([H], F32)
+
+            bar_q = T.alloc_barrier(arrive_count=128)
+            full = T.alloc_barrier(arrive_count=[128] * NS)
+            empty = T.alloc_barrier(arrive_count=[256] * NS)
+            bar_p0 = T.alloc_barrier(arrive_count=128)
+            bar_p1 = T.alloc_barrier(arrive_count=128)
+            free0 = T.alloc_barrier(arrive_count=128)
+            free1 = T.alloc_barrier(arrive_count=128)
+            bar_end = T.alloc_barrier(arrive_count=256)
+
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(0, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                         full, empty, bar_p0, bar_p1, free0, free1, bar_end, Sink, O, Lse, bi, mi)
+            elif tx < 256:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(1, acc_s1, acc_o1, m_1, m0_1, a_1, ls_1, l_1, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                         full, empty, bar_p0, bar_p1, free0, free1, bar_end, Sink, O, Lse, bi, mi)
+            else:
+                T.set_max_nreg(nreg[1], 0)
+                tp = tx - 256
+                for r in T.unroll(H // 16):              # Q: 8 threads a row, 16 rows a pass
+                    for u in T.unroll(CPR):
+                        T.ptx_cp_async(
+                            T.access_ptr(q_s[r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
+                            T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
+                T.cp_async_barrier_noinc(bar_q)
+                for j in T.serial(NI):
+                    s = j % NS
+                    T.barrier_wait(empty[s], ((j // NS) % 2) ^ 1)
+                    if tp < BI:                          # the block's indices (hole mask for the QK seed)
+                        T.ptx_cp_async(T.access_ptr(idx_s[s, tp], "w", 1),
+                                       T.access_ptr(Idx[bi, mi, j * BI + tp], "r", 1), 1)
+                    for r in T.unroll(BI // 16):
+                        row = r * 16 + tp // 8
+                        src = T.max(Idx[bi, mi, j * BI + row], 0)
+                        for u in T.unroll(CPR):
+                            T.ptx_cp_async(
+                                T.access_ptr(kv_s[s, row, u * 64 + (tp % 8) * 8], "w", 8),
+                                T.access_ptr(KV[bi, src, u * 64 + (tp % 8) * 8], "r", 8), 8)
+                    T.cp_async_barrier_noinc(full[s])
+
+    return compile_kernel(sparse_attn_fwd_seesaw, out_idx=[4, 5])
+
+
+@functools.lru_cache(maxsize=None)
 def delta_kernel(H: int, D: int, threads: int = 128):
     """Delta[b, m, h] = sum_d dO * O (fp32)."""
     R = T.dynamic("R")
@@ -448,6 +748,9 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 FWD_DEFAULT = "ws"
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
+# impl="seesaw": fwd_kernel_seesaw (H = 64, same shapes as ws_fits); its running max moves once per BI
+# slots, so BI = 64 is the release's blocking exactly (used for block 64 and 128 alike). Not measured yet.
+FWD_SEESAW_CFG = dict(BI=64, stages=2)
 
 
 def ws_fits(H: int, D: int) -> bool:
@@ -461,14 +764,18 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape (lock-step kernel).
 
     impl (default FWD_DEFAULT): "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
-    (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "lockstep"
-    always runs fwd_kernel."""
+    (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "seesaw" runs
+    fwd_kernel_seesaw with FWD_SEESAW_CFG where ws_fits(H, D) (block BI = 64 whatever ``block`` asks:
+    the release's recurrence), else fwd_kernel; "lockstep" always runs fwd_kernel."""
     B, M, H, D = q.shape
     impl = impl or FWD_DEFAULT
-    if impl not in ("ws", "lockstep"):
-        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'ws' or 'lockstep'")
+    if impl not in ("ws", "lockstep", "seesaw"):
+        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'ws', 'seesaw' or 'lockstep'")
     block = 128 if (block == 128 and H % 64 == 0) else 64
-    if impl == "ws" and ws_fits(H, D):
+    if impl == "seesaw" and ws_fits(H, D):
+        idx = _pad_idx(idx, 2 * FWD_SEESAW_CFG["BI"])
+        k = fwd_kernel_seesaw(H, D, idx.shape[-1], float(scale), **FWD_SEESAW_CFG)
+    elif impl == "ws" and ws_fits(H, D):
         cfg = FWD_WS_CFG[block]
         idx = _pad_idx(idx, 2 * cfg["BI"])
         k = fwd_kernel_ws(H, D, idx.shape[-1], float(scale), **cfg)
