@@ -56,7 +56,7 @@ FP8_WIDE_CFGS = [dict(kernel="loop", stages=3),
                  dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), BK=256),
                  dict(FP8_WS_DT, persistent=132),
                  dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
-                 dict(kernel="ws", BN=96, double_tmp=True, stages=4)]
+                 dict(kernel="ws", BN=96, double_tmp=True, stages=4), dict(kernel="ws", BK=256, stages=2)]
 FP8_WS_RELEASE_CFGS = [dict(kernel="ws"), dict(kernel="ws", stages=4), dict(kernel="ws", stages=4, persistent=132),
                        FP8_WS_DT, dict(FP8_WS_DT, persistent=132)]
 FP4_CFGS = [dict(BN=128, async_promote=False), dict(BN=128, async_promote=True)]
