@@ -268,8 +268,8 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
     @T.macro
     def stage_double(w, t, k, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty):
         """Slices 2h -> tmp0, 2h+1 -> tmp1, each promoted while the next one's WGMMA runs; drained at the end of
-        the stage (a WGMMA in flight across the stage boundary, i.e. across the mbarrier wait loop and the loop's
-        back edge, makes ptxas serialise every WGMMA: warning C7514)."""
+        the stage: a WGMMA in flight across the K loop's back edge makes ptxas serialise every WGMMA (warning
+        C7514; it stays with the mbarrier wait removed, so it is the back edge, not the wait loop)."""
         it = t * NK + k
         s = it % stages
         T.barrier_wait(full[s], (it // stages) % 2)
