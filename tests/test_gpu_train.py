@@ -1,11 +1,11 @@
 """Training on a GPU through the TileLang kernels' backwards (issue #7 item 5). GPU only.
 
-The README's training model (``run.tiny_model``) widened to 16 attention heads of 128 dims, so that the TileLang
-sparse attention covers its shapes (its tiles need heads in multiples of 16; the 4-head tiny model falls back to
-torch), with the indexer KL on so the index scores' backward runs too. On CUDA, ``impl="auto"`` (TileLang) and
-``impl="torch"`` (the reference) must give the same losses and gradients within bf16 noise, and the TileLang
-ops must actually have run, forward and backward, under ``torch.func.grad`` (what ``train.step`` uses). Then a
-few optimizer steps on one fixed batch must lower the loss.
+The README's training model (``run.tiny_model``) widened to 16 attention heads of 128 dims and 16 indexer heads,
+so that the TileLang sparse attention and index scores cover its shapes (their tiles need heads in multiples of
+16; the tiny model falls back to torch), with the indexer KL on so the index scores' backward runs too. On CUDA,
+``impl="auto"`` (TileLang) and ``impl="torch"`` (the reference) must give the same losses and gradients within
+bf16 noise, and the TileLang ops must actually have run, forward and backward, under ``torch.func.grad`` (what
+``train.step`` uses). Then a few optimizer steps on one fixed batch must lower the loss.
 """
 import pytest
 import torch
@@ -29,7 +29,7 @@ COUNTED = ("sparse_attn", "hc_split_sinkhorn", "index_scores", "index_topk")
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    cfg = run.tiny_model(n_heads=16, head_dim=128, max_seq_len=256)
+    cfg = run.tiny_model(n_heads=16, head_dim=128, index_n_heads=16, max_seq_len=256)
     from functional_dsv41.engram import build_token_map
     tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
     tr, fr = run.init_train_params(cfg, run.RunConfig(seed=0), tm)
