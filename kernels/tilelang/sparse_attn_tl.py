@@ -336,7 +336,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, nreg: tuple = (240, 32),
-                      early: tuple = (True, True), seed: bool = True, unroll: bool = True, qk_split: int = 1):
+                      seed: bool = True, unroll: bool = True, qk_split: int = 1):
     """o, lse = fwd(q, kv, sink, idx), "seesaw" schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer (``nreg[1]`` registers), loads Q once, then gathers the KV rows of
@@ -348,7 +348,8 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     2i, 2i+1), with m the running max after block 2i-1:
       WG0: m0 = max(m, rowmax S0); P0 = bf16(exp2(c S0 - c m0)); publish P0, m0 (bar_p0);
            O_L = O_L exp2(c (m - m0)) + P0 V_2i[:, L]; wait P1, m1 (bar_p1);
-           O_L = O_L exp2(c (m0 - m1)) + P1 V_2i+1[:, L]  (the next even QK is issued before this wait).
+           O_L = O_L exp2(c (m0 - m1)) + P1 V_2i+1[:, L]  (the next even QK is issued before this wait
+           with >= 4 stages, right after this PV with 2: block 2i+2 then refills block 2i's stage).
       WG1: (S1 in flight) wait P0, m0; O_R = O_R exp2(c (m - m0)) + P0 V_2i[:, R] (issued before its
            softmax, which then overlaps that PV); m1 = max(m0, rowmax S1); P1 = bf16(exp2(c S1 - c m1));
            publish P1, m1; O_R = O_R exp2(c (m0 - m1)) + P1 V_2i+1[:, R]; issue the next odd QK.
@@ -366,6 +367,12 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     them completed (``free0`` / ``free1``, pre-arrived once); a stage is released by each consumer
     after its last WGMMA on it completed. Shared memory: Q + stages * BI * D * 2 + 2 * 64 * BI * 2
     bytes (BI = 64, 2 stages: 208 KB; BI = 32, 4 stages: 200 KB).
+
+    Knobs for the bench: ``seed`` (hole mask as the QK accumulator's seed, else applied after the QK),
+    ``unroll`` (pair loop unrolled; a runtime loop makes ptxas serialise the WGMMAs, C7514),
+    ``qk_split`` (QK issued as that many commit groups over D slices). ptxas (CUDA 13.0) spills at
+    D = 512 (BI 64: 2268 B, qk_split 4: 1716 B, BI 32: 440 B; none at D <= 256): the SASS shows the
+    spilled values are precomputed 64-bit WGMMA descriptors reloaded (LDL.64 -> R2UR) at each QK.
     """
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     if H != 64:
@@ -387,19 +394,33 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     if D % QG or DK % 64 or (QG > 1 and not seed):
         raise ValueError("fwd_kernel_seesaw: qk_split must cut D into multiples of 64 (and needs seed)")
 
+    # With >= 4 stages the next pair's blocks have their own stages: each consumer issues its next QK
+    # right behind its PVs. With 2 stages (BI = 64) block 2i+2 refills block 2i's stage, so consumer 0
+    # issues S of 2i+2 after its PV1 (the gather overlaps block 2i+1's work) and consumer 1 releases
+    # block 2i+1 before waiting for 2i+3 (issuing them earlier would wait on their own release).
+    EARLY = NS >= 4
+
+    def st(j):
+        """Stage of block j."""
+        return j % NS
+
+    def ph(j):
+        """Parity of block j's use of its stage."""
+        return (j // NS) % 2
+
     @T.macro
     def issue_qk(j, acc_s, q_s, kv_s, idx_s, full):
         """S = (0 or -inf per slot) + Q K_j^T into acc_s (seed; else plain Q K_j^T, masked by
         ``mask`` once complete); asynchronous (T.wait_wgmma)."""
-        T.barrier_wait(full[j % NS], (j // NS) % 2)
+        T.barrier_wait(full[st(j)], ph(j))
         if seed:
             for h, t in T.Parallel(H, BI):
-                acc_s[h, t] = T.if_then_else(idx_s[j % NS, t] >= 0, 0, -T.infinity(F32))
+                acc_s[h, t] = T.if_then_else(idx_s[st(j), t] >= 0, 0, -T.infinity(F32))
         if QG == 1:
-            T.wgmma_gemm(q_s, kv_s[j % NS, :, :], acc_s, transpose_B=True, clear_accum=not seed)
+            T.wgmma_gemm(q_s, kv_s[st(j), :, :], acc_s, transpose_B=True, clear_accum=not seed)
         else:                               # QG commit groups over D slices (a runtime loop)
             for kc in T.serial(QG):
-                T.wgmma_gemm(q_s[:, kc * DK:(kc + 1) * DK], kv_s[j % NS, :, kc * DK:(kc + 1) * DK], acc_s,
+                T.wgmma_gemm(q_s[:, kc * DK:(kc + 1) * DK], kv_s[st(j), :, kc * DK:(kc + 1) * DK], acc_s,
                              transpose_B=True)
 
     @T.macro
@@ -407,7 +428,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         """Holes of block j to -inf (after its QK completed; only without ``seed``)."""
         if not seed:
             for h, t in T.Parallel(H, BI):
-                acc_s[h, t] = T.if_then_else(idx_s[j % NS, t] >= 0, acc_s[h, t], -T.infinity(F32))
+                acc_s[h, t] = T.if_then_else(idx_s[st(j), t] >= 0, acc_s[h, t], -T.infinity(F32))
 
     @T.macro
     def pair0(i, first, last, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
@@ -415,13 +436,13 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         """Consumer 0, pair i: S of block 2i is in flight in acc_s (and, unless first, PV1 of pair i-1)."""
         j0 = 2 * i
         j1 = 2 * i + 1
-        if not early[0] and not first:
-            issue_qk(j0, acc_s, q_s, kv_s, idx_s, full)
-            T.wait_wgmma(0)
-        elif first:
-            T.wait_wgmma(0)
-        else:
+        if EARLY and not first:
             T.wait_wgmma(1)                             # S0 done, PV1 of pair i-1 may still run
+        else:
+            T.wait_wgmma(0)                             # (2 stages: S0 was issued after PV1 of pair i-1)
+            if not first:                               # PV1 of pair i-1 done: its stage and P1 are free
+                T.barrier_arrive(empty[st(j0 - 1)])
+                T.barrier_arrive(free1)
         mask(j0, acc_s, idx_s)
         T.copy(m, m0)
         T.reduce_max(acc_s, m0, dim=1, clear=False)    # m0 = max(m, rowmax S0)
@@ -437,14 +458,14 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         T.copy(m0, mx_s[0, :])
         T.fence_proxy_async()                           # P: generic stores, read next by WGMMA (async proxy)
         T.barrier_arrive(bar_p0)
-        if not first:
+        if EARLY and not first:
             T.wait_wgmma(0)                             # PV1 of pair i-1 done: its stage and P1 are free
-            T.barrier_arrive(empty[(j0 - 1) % NS])
+            T.barrier_arrive(empty[st(j0 - 1)])
             T.barrier_arrive(free1)
         for h, d in T.Parallel(H, DH):
             acc_o[h, d] *= a[h]
-        T.wgmma_gemm(p_s[0, :, :], kv_s[j0 % NS, :, 0:DH], acc_o)
-        if early[0] and not last:
+        T.wgmma_gemm(p_s[0, :, :], kv_s[st(j0), :, 0:DH], acc_o)
+        if EARLY and not last:                          # block 2i+2 has its own stage
             issue_qk(j0 + 2, acc_s, q_s, kv_s, idx_s, full)
         T.barrier_wait(bar_p1, i % 2)                  # P1, m1 of pair i
         for h in T.Parallel(H):
@@ -453,29 +474,30 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
             a[h] = T.exp2((m0[h] - m[h]) * c)           # beta
         for h in T.Parallel(H):
             l[h] = l[h] * a[h]
-        if last or not early[0]:
-            T.wait_wgmma(0)
-        else:
+        if EARLY and not last:
             T.wait_wgmma(QG)                            # PV0 done, the next S0 may still run
-        T.barrier_arrive(empty[j0 % NS])
+        else:
+            T.wait_wgmma(0)
+        T.barrier_arrive(empty[st(j0)])
         for h, d in T.Parallel(H, DH):
             acc_o[h, d] *= a[h]
-        T.barrier_wait(full[j1 % NS], (j1 // NS) % 2)
-        T.wgmma_gemm(p_s[1, :, :], kv_s[j1 % NS, :, 0:DH], acc_o)
+        T.barrier_wait(full[st(j1)], ph(j1))
+        T.wgmma_gemm(p_s[1, :, :], kv_s[st(j1), :, 0:DH], acc_o)
+        if not EARLY and not last:                      # 2 stages: block 2i+2 refills block 2i's
+            issue_qk(j0 + 2, acc_s, q_s, kv_s, idx_s, full)
 
     @T.macro
     def pair1(i, first, last, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, full, empty,
               bar_p0, bar_p1, free0, free1):
-        """Consumer 1, pair i: S of block 2i+1 is in flight in acc_s (and, unless first, PV1 of pair i-1)."""
+        """Consumer 1, pair i: S of block 2i+1 is in flight in acc_s (with 4+ stages and unless first,
+        PV1 of pair i-1 too)."""
         j0 = 2 * i
         j1 = 2 * i + 1
-        if not early[1] and not first:
-            T.wait_wgmma(0)
-            issue_qk(j1, acc_s, q_s, kv_s, idx_s, full)
         T.barrier_wait(bar_p0, i % 2)                  # P0, m0 of pair i
-        T.wait_wgmma(QG)                                # PV1 of pair i-1 done, S1 may still run
-        if not first:
-            T.barrier_arrive(empty[(j1 - 2) % NS])
+        if EARLY:
+            T.wait_wgmma(QG)                            # PV1 of pair i-1 done, S1 may still run
+            if not first:
+                T.barrier_arrive(empty[st(j1 - 2)])
         for h in T.Parallel(H):
             m0[h] = mx_s[0, h]
         for h in T.Parallel(H):
@@ -484,8 +506,8 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
             l[h] = l[h] * a[h]
         for h, d in T.Parallel(H, DH):
             acc_o[h, d] *= a[h]
-        T.barrier_wait(full[j0 % NS], (j0 // NS) % 2)
-        T.wgmma_gemm(p_s[0, :, :], kv_s[j0 % NS, :, DH:D], acc_o)
+        T.barrier_wait(full[st(j0)], ph(j0))
+        T.wgmma_gemm(p_s[0, :, :], kv_s[st(j0), :, DH:D], acc_o)
         T.wait_wgmma(1)                                 # S1 done; PV0 runs under the softmax
         mask(j1, acc_s, idx_s)
         T.copy(m0, m)
@@ -503,12 +525,15 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         T.fence_proxy_async()
         T.barrier_arrive(bar_p1)
         T.wait_wgmma(0)                                 # PV0 done: P0 and (for me) stage 2i free
-        T.barrier_arrive(empty[j0 % NS])
+        T.barrier_arrive(empty[st(j0)])
         T.barrier_arrive(free0)
         for h, d in T.Parallel(H, DH):
             acc_o[h, d] *= a[h]
-        T.wgmma_gemm(p_s[1, :, :], kv_s[j1 % NS, :, DH:D], acc_o)
-        if early[1] and not last:
+        T.wgmma_gemm(p_s[1, :, :], kv_s[st(j1), :, DH:D], acc_o)
+        if not last:
+            if not EARLY:                               # 2 stages: block 2i+3 refills block 2i+1's
+                T.wait_wgmma(0)
+                T.barrier_arrive(empty[st(j1)])
             issue_qk(j1 + 2, acc_s, q_s, kv_s, idx_s, full)
 
     @T.macro
@@ -612,8 +637,8 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
                             T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
                 T.cp_async_barrier_noinc(bar_q)
                 for j in T.serial(NI):
-                    s = j % NS
-                    T.barrier_wait(empty[s], ((j // NS) % 2) ^ 1)
+                    s = st(j)
+                    T.barrier_wait(empty[s], ph(j) ^ 1)
                     if tp < BI:                          # the block's indices (hole mask for the QK seed)
                         T.ptx_cp_async(T.access_ptr(idx_s[s, tp], "w", 1),
                                        T.access_ptr(Idx[bi, mi, j * BI + tp], "r", 1), 1)
