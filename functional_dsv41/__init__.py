@@ -59,6 +59,7 @@ _LAZY = {
     "dspark_forward": "functional_dsv41.dspark",
     "dspark_draft": "functional_dsv41.dspark",
     "dspark_prefill": "functional_dsv41.dspark",
+    "encode_messages": "functional_dsv41.encoding", "parse_assistant": "functional_dsv41.encoding",  # chat template
 }
 
 

@@ -172,6 +172,11 @@ def test_latest_reminder_and_response_format():
                    '{"type": "object"}' + U + "Q" + A + "</think>")
 
 
+def test_package_exports():
+    import functional_dsv41 as fd
+    assert fd.encode_messages is encode_messages and fd.parse_assistant is parse_assistant
+
+
 def test_consecutive_user_messages_form_one_turn():
     assert encode_messages([user("a"), user("b")], "chat") == B + U + "a\n\nb" + A + "</think>"
 
