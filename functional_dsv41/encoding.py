@@ -187,6 +187,7 @@ def _normalize(msgs: Any, label: str, st: dict) -> list[dict]:
             run.append(piece)
             turns[-1]["task"] = task
             if task is not None:
+                turns[-1]["src"] = where          # errors about the task name this message
                 close()
                 run = None
             continue

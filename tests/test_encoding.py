@@ -207,6 +207,8 @@ def test_tasks():
         B + S + EFF.format(75) + U + "q<｜query｜>paris weather" + E)
     with pytest.raises(ValueError, match=r"messages\[0\].*task.*user message follows"):
         encode_messages([user("q", task="title"), user("more")], "chat")
+    with pytest.raises(ValueError, match=r"messages\[3\] \(user\).*task.*user message follows"):
+        encode_messages([user("q"), asst("", calls=CALLS[:1]), tool("r"), user("q", task="title"), user("x")], "chat")
     with pytest.raises(ValueError, match=r"messages\[0\].*task 'summarize'"):
         encode_messages([user("q", task="summarize")], "chat")
     with pytest.raises(ValueError, match=r"messages\[1\] \(assistant\).*task"):
