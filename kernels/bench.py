@@ -114,7 +114,8 @@ def attention_fwd(results, args):
     # or not); the distance printed is to the lock-step kernel (block 64): BI = 32 moves the max per 32
     # slots, so it is ~1e-7 away by bf16 rounding of P, the others should match to a few outputs
     seesaw_cfgs = [dict(BI=64, stages=2), dict(BI=32, stages=4), dict(BI=64, stages=2, seed=False),
-                   dict(BI=64, stages=2, unroll=False), dict(BI=64, stages=2, qk_split=4)]
+                   dict(BI=64, stages=2, unroll=False), dict(BI=64, stages=2, qk_split=4),
+                   dict(BI=32, stages=4, qk_split=4)]
     for cfg in seesaw_cfgs:
         name = f"  seesaw kernel {json.dumps(cfg, separators=(',', ':'))}"
         try:

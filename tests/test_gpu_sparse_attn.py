@@ -173,7 +173,7 @@ def test_sparse_attn_fwd_impl_release(impl, block):
 # fwd_kernel_seesaw configurations beyond FWD_SEESAW_CFG (the bench's sweep), each against
 # reference.sparse_attn(block=BI); shapes: the release width at T = 640 and D = 256 with odd M, T padded
 SEESAW_CFGS = [dict(BI=32, stages=4), dict(BI=64, stages=2, seed=False), dict(BI=64, stages=2, unroll=False),
-               dict(BI=64, stages=2, qk_split=4)]
+               dict(BI=64, stages=2, qk_split=4), dict(BI=32, stages=4, qk_split=4)]
 
 
 @pytest.mark.parametrize("cfg", SEESAW_CFGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
