@@ -39,3 +39,16 @@ def compile_kernel(func, out_idx=None, pass_configs=None):
 @functools.lru_cache(maxsize=None)
 def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torch.func's gradient wrappers: a kernel launch needs the real storage. Safe where the
+    op is either wrapped in an autograd.Function (whose forward/backward functorch calls with the wrappers
+    peeled) or has no gradient (top-k indices). Under ``vmap`` a launch would drop the batch dimension, so a
+    batched tensor raises ``Unsupported`` (``impl="auto"`` then runs the torch reference, which vmaps)."""
+    from torch._C import _functorch as F
+    while F.is_functorch_wrapped_tensor(t):
+        if F.is_batchedtensor(t):
+            raise Unsupported("a TileLang kernel cannot run under torch.func.vmap (batched tensor)")
+        t = F.get_unwrapped(t)
+    return t

@@ -17,7 +17,7 @@ import functools
 import torch
 import tilelang.language as T
 
-from ._common import compile_kernel, sm_count
+from ._common import compile_kernel, plain, sm_count
 
 BF16, I32 = "bfloat16", "int32"
 
@@ -206,7 +206,7 @@ def index_topk(score, k, threads=None, agg=None):
     if score.dtype != torch.bfloat16:
         from ..reference_indexer import index_topk as ref
         return ref(score, k)
-    x = score.reshape(-1, n).contiguous()
+    x = plain(score).reshape(-1, n).contiguous()          # indices carry no gradient: launch on the storage
     th = threads or TOPK_THREADS or _topk_threads(x.shape[0], n, sm_count(x.device))
     idx = topk_kernel(int(k), th, TOPK_AGG if agg is None else agg)(x)
     return idx[:, :kk].long().reshape(lead + (kk,))
@@ -239,7 +239,7 @@ def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None,
         bs = bs.scatter_reduce(-1, idx_e, score.float(), reduce="amax", include_self=True).to(torch.bfloat16)
         fb = blocks.gather(1, newest)
     forced = torch.nn.functional.one_hot(fb, nb).bool() & has[..., None]
-    bs = bs.masked_fill(forced, float("inf")).reshape(b * s, nb).contiguous()
+    bs = plain(bs.masked_fill(forced, float("inf"))).reshape(b * s, nb).contiguous()
     kb = min(topk_blocks, nb)
     th = threads or TOPK_THREADS or _topk_threads(b * s, nb, sm_count(bs.device))
     idx = topk_kernel(int(topk_blocks), th, TOPK_AGG if agg is None else agg)(bs)[:, :kb].long()

@@ -45,7 +45,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from ._common import LOG2E, Unsupported, compile_kernel
+from ._common import LOG2E, Unsupported, compile_kernel, plain as _plain
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
 
@@ -856,11 +856,6 @@ def _(q, kv, attn_sink, topk_idxs, o, lse, do, softmax_scale):
     return q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape)
 
 
-def _plain(t):
-    from torch._C import _functorch as F
-    while F.is_functorch_wrapped_tensor(t):
-        t = F.get_unwrapped(t)
-    return t
 
 
 class _SparseAttn(torch.autograd.Function):
