@@ -42,10 +42,11 @@ def sm_count(device) -> int:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without torch.func's gradient wrappers: a kernel launch needs the real storage. Safe where the
-    op is either wrapped in an autograd.Function (whose forward/backward functorch calls with the wrappers
-    peeled) or has no gradient (top-k indices). Under ``vmap`` a launch would drop the batch dimension, so a
-    batched tensor raises ``Unsupported`` (``impl="auto"`` then runs the torch reference, which vmaps)."""
+    """``t`` without torch.func's gradient wrappers: a kernel launch needs the real storage. Use it inside
+    ``torch._C._DisableFuncTorch()`` (while functorch is on, every new tensor, a kernel's output included, is a
+    storage-less wrapper), for ops that have no gradient (top-k indices) or whose gradient an autograd.Function
+    supplies. Under ``vmap`` a launch would drop the batch dimension, so a batched tensor raises
+    ``Unsupported`` (``impl="auto"`` then runs the torch reference, which vmaps)."""
     from torch._C import _functorch as F
     while F.is_functorch_wrapped_tensor(t):
         if F.is_batchedtensor(t):

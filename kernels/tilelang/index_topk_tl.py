@@ -206,9 +206,12 @@ def index_topk(score, k, threads=None, agg=None):
     if score.dtype != torch.bfloat16:
         from ..reference_indexer import index_topk as ref
         return ref(score, k)
-    x = plain(score).reshape(-1, n).contiguous()          # indices carry no gradient: launch on the storage
-    th = threads or TOPK_THREADS or _topk_threads(x.shape[0], n, sm_count(x.device))
-    idx = topk_kernel(int(k), th, TOPK_AGG if agg is None else agg)(x)
+    # indices carry no gradient: under torch.func.grad launch on the unwrapped storage, with functorch off
+    # (every tensor made while it is on, the kernel's output included, would be a storage-less wrapper)
+    with torch._C._DisableFuncTorch():
+        x = plain(score).reshape(-1, n).contiguous()
+        th = threads or TOPK_THREADS or _topk_threads(x.shape[0], n, sm_count(x.device))
+        idx = topk_kernel(int(k), th, TOPK_AGG if agg is None else agg)(x)
     return idx[:, :kk].long().reshape(lead + (kk,))
 
 
@@ -239,10 +242,12 @@ def index_candidates(score, lo, hi, blocks, n_blocks, topk_blocks, threads=None,
         bs = bs.scatter_reduce(-1, idx_e, score.float(), reduce="amax", include_self=True).to(torch.bfloat16)
         fb = blocks.gather(1, newest)
     forced = torch.nn.functional.one_hot(fb, nb).bool() & has[..., None]
-    bs = plain(bs.masked_fill(forced, float("inf"))).reshape(b * s, nb).contiguous()
+    bs = bs.masked_fill(forced, float("inf"))
     kb = min(topk_blocks, nb)
-    th = threads or TOPK_THREADS or _topk_threads(b * s, nb, sm_count(bs.device))
-    idx = topk_kernel(int(topk_blocks), th, TOPK_AGG if agg is None else agg)(bs)[:, :kb].long()
+    with torch._C._DisableFuncTorch():                     # as in index_topk
+        bs = plain(bs).reshape(b * s, nb).contiguous()
+        th = threads or TOPK_THREADS or _topk_threads(b * s, nb, sm_count(bs.device))
+        idx = topk_kernel(int(topk_blocks), th, TOPK_AGG if agg is None else agg)(bs)[:, :kb].long()
     keep = torch.zeros(b * s, nb + 1, dtype=torch.bool, device=score.device)
     keep.scatter_(1, torch.where(idx >= 0, idx, nb), True)
     keep = keep[:, :nb].view(b, s, nb)
