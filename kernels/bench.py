@@ -254,6 +254,26 @@ def gemms(results, args):
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
 
 
+def gemm_diag(results, args):
+    """Where the fp8 GEMM's time goes (4096x5120x5120; WRONG numerics, timing only): the ws kernel as is, with
+    the per-slice wait but no promotion, and with neither (a plain fp8 GEMM in the same structure)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    M, N, K = 4096, 5120, 5120
+    print(f"-- fp8 GEMM diagnostics M={M} N={N} K={K} (diag rows ignore the scales: timing only)", flush=True)
+    a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+    b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+    sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+    for base in (dict(), dict(consumers=2, BN=192, nreg=(240, 24), stages=2)):
+        for diag in ("", "no_promote", "no_wait"):
+            name = f"fp8_gemm ws {json.dumps(dict(base, diag=diag), separators=(',', ':'))}"
+            try:
+                k = fg.fp8_gemm_ws_kernel(N, K, **base, diag=diag)
+                results.append(row(name, bench(lambda: k(a, sa, b, sb)), 2 * M * N * K))
+            except Exception as e:
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages
 # (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
 # 508). fp4 default: the loop at BN=192 (294 / 279).
@@ -518,6 +538,7 @@ SECTIONS = {
     "attnfwd": attention_fwd,
     "attnbwd": attention_bwd,
     "gemm": gemms,
+    "gemmdiag": gemm_diag,
     "fp4gemm": fp4_gemms,
     "quant": quantizers,
     "fp4hc": fp4_hc,

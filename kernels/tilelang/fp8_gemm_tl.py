@@ -199,7 +199,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: int = 128, stages: int = 3,
                        double_tmp: bool = False, swizzle: int = 8, nreg: tuple = (160, 24), store: str = "auto",
-                       persistent: int = 0, group: int = 8):
+                       persistent: int = 0, group: int = 8, diag: str = ""):
     """The warp-specialised kernel without turn-taking (``128 * (consumers + 1)`` threads, BM = 64 * consumers).
 
     * the last warpgroup, the producer (``nreg[1]`` registers), TMA-loads A [BM, BK], B [BN, BK] and their fp32
@@ -224,9 +224,17 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
       no staging tile can alias the ring while the producer runs ahead).
     Numerics: those of ``_gemm.promote_loop`` (fp8 32x32 weight blocks: one FFMA per element per slice).
     TMA needs K and BK multiples of 128 (a [rows, BK/32] fp32 scale box of >= 16 bytes a row).
+
+    ``diag`` (bench only, WRONG results: the scales are ignored; ``fp8_gemm`` refuses it) isolates the cost of
+    the per-slice structure: "no_promote" keeps the per-slice WGMMA -> wait but accumulates in the WGMMA (no
+    temporary, no FFMA); "no_wait" issues a stage's slices back to back into the accumulator and waits once per
+    stage (a plain fp8 GEMM in this kernel's structure: its ceiling).
     """
     M = T.dynamic("M")
     W, NC = 64, BN // 32
+    if diag not in ("", "no_promote", "no_wait") or (diag and double_tmp):
+        raise ValueError(f"fp8_gemm ws: diag={diag!r} must be '', 'no_promote' or 'no_wait' (without double_tmp)")
+    plain_acc, wait_slice, wait_stage = bool(diag), diag == "no_promote", diag == "no_wait"
     BM = W * consumers
     KB, SB, NK = K // 32, BK // 32, K // BK
     threads = 128 * (consumers + 1)
@@ -260,9 +268,17 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         s = it % stages
         T.barrier_wait(full[s], (it // stages) % 2)
         for kk in T.unroll(SB):
-            issue(w, s, kk, tmp0, a_s, b_s)
+            if plain_acc:
+                T.wgmma_gemm(a_s[s, w * W:(w + 1) * W, kk * 32:(kk + 1) * 32], b_s[s, :, kk * 32:(kk + 1) * 32], acc,
+                             transpose_B=True)
+                if wait_slice:
+                    T.wait_wgmma(0)
+            else:
+                issue(w, s, kk, tmp0, a_s, b_s)
+                T.wait_wgmma(0)
+                promote(w, s, kk, tmp0, acc, sp, sa, sb)
+        if wait_stage:
             T.wait_wgmma(0)
-            promote(w, s, kk, tmp0, acc, sp, sa, sb)
         T.barrier_arrive(empty[s])
 
     @T.macro
@@ -427,6 +443,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     a2 = a.reshape(-1, K).contiguous()
     sa = _scales(a_s).reshape(-1, K // 32)
     kernel = cfg.pop("kernel", "pingpong" if K % 128 == 0 else "loop")
+    if cfg.get("diag"):
+        raise ValueError("fp8_gemm (tilelang): diag kernels ignore the scales (bench only)")
     if kernel == "pingpong":
         kern = fp8_gemm_pingpong_kernel(N, K, **cfg)
     elif kernel == "ws":
