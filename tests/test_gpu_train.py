@@ -29,7 +29,10 @@ COUNTED = ("sparse_attn", "hc_split_sinkhorn", "index_scores", "index_topk")
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    cfg = run.tiny_model(n_heads=16, head_dim=128, index_n_heads=16, max_seq_len=256)
+    # every compressed entry selected (index_topk, candidate blocks >= entries) and every expert active: no top-k
+    # or routing choice can flip between the two implementations (DESIGN.md: tiny random models are chaotic)
+    cfg = run.tiny_model(n_heads=16, head_dim=128, index_n_heads=16, max_seq_len=256, index_topk=128,
+                         n_activated_experts=8, candidate_topk_blocks=64)
     from functional_dsv41.engram import build_token_map
     tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
     tr, fr = run.init_train_params(cfg, run.RunConfig(seed=0), tm)
@@ -79,33 +82,45 @@ def _loss_and_grads(cfg, tr, fr, batch, impl):
     return total, parts, grads
 
 
+def _flat(g):
+    return torch.cat([v.float().flatten() for _, v in sorted(g.items())])
+
+
 def test_tilelang_backwards_match_torch_in_a_training_step(setup, counts):
+    """Loss parts and gradients, TileLang against torch, bounded by the noise floor of the torch run itself: the
+    same loss and gradients after every trainable weight moved by a random +-2^-12 (under half a bf16 ulp, so about
+    one weight in eight rounds to the next bf16 in the forward). The fp8 / fp4 QDQ of the KV and indexer
+    activations still amplify rounding differences, so the floor is measured, not assumed; a wrong kernel
+    gradient (a missing term, a wrong scale) moves the gradient by far more than that."""
     cfg, tr, fr, batch = setup
     t_ref, p_ref, g_ref = _loss_and_grads(cfg, tr, fr, batch, "torch")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tr_n = {k: v * (1 + 2.0 ** -12 * (2 * torch.randint(0, 2, v.shape, device=v.device, generator=gen) - 1))
+            if v.is_floating_point() else v for k, v in tr.items()}
+    _, p_n, g_n = _loss_and_grads(cfg, tr_n, fr, batch, "torch")
     assert all(v == 0 for v in counts.values()), counts
     t_tl, p_tl, g_tl = _loss_and_grads(cfg, tr, fr, batch, "auto")
     print("TileLang calls:", counts)
     for key in ("sparse_attn", "hc_split_sinkhorn", "index_scores", "sparse_attn.bwd", "index_scores.bwd"):
         assert counts[key] > 0, f"{key} never ran on TileLang: {counts}"
+    report = {}
     for k in p_ref:
-        assert float(p_tl[k]) == pytest.approx(float(p_ref[k]), rel=2e-3), (k, float(p_tl[k]), float(p_ref[k]))
-    worst = []
-    for k in g_ref:
-        a, b = g_tl[k].float(), g_ref[k].float()
-        assert torch.isfinite(a).all(), k
-        if b.abs().max() == 0:
-            assert a.abs().max() == 0, f"{k}: TileLang gives a gradient where torch gives none"
-            continue
-        worst.append((cosine_diff(a.cpu(), b.cpu()), k))
-    worst.sort(reverse=True)
-    print("worst gradient cosine diffs:", [f"{k} {c:.1e}" for c, k in worst[:5]])
-    # bf16 activations: per-tensor gradients agree to bf16 noise (a flipped top-k entry would show as ~1e-1)
-    assert worst[0][0] < 1e-2, worst[:5]
-    assert sum(c for c, _ in worst) / len(worst) < 1e-3, worst[:5]
-    # the attention and indexer weights, whose gradients the TileLang backwards produce
-    for k in ("layers.2.attn.wq_b.weight", "layers.0.attn.wkv.weight", "layers.4.attn.indexer.wq_b.weight",
-              "layers.0.hc_attn_fn"):
-        assert cosine_diff(g_tl[k].float().cpu(), g_ref[k].float().cpu()) < 1e-2, k
+        d_tl, d_n = abs(float(p_tl[k]) - float(p_ref[k])), abs(float(p_n[k]) - float(p_ref[k]))
+        report[k] = (float(p_ref[k]), d_tl, d_n)
+    G_ref, G_tl, G_n = _flat(g_ref), _flat(g_tl), _flat(g_n)
+    c_tl, c_n = cosine_diff(G_tl.cpu(), G_ref.cpu()), cosine_diff(G_n.cpu(), G_ref.cpu())
+    big = [k for k, v in g_ref.items() if v.dim() == 2 and v.numel() >= 4096]
+    per = {k: (cosine_diff(g_tl[k].float().cpu(), g_ref[k].float().cpu()),
+               cosine_diff(g_n[k].float().cpu(), g_ref[k].float().cpu())) for k in big}
+    worst = max(per, key=lambda k: per[k][0] / max(per[k][1], 1e-7))
+    print(f"loss parts (torch, |tilelang - torch|, |noise floor|): {report}; all gradients cosine diff: tilelang "
+          f"{c_tl:.2e}, noise floor {c_n:.2e}; worst matrix {worst}: {per[worst][0]:.2e} vs floor {per[worst][1]:.2e}")
+    for k, (v, d_tl, d_n) in report.items():
+        assert d_tl <= 4 * d_n + 1e-4 * abs(v), (k, report[k])
+    assert c_tl <= 4 * c_n + 1e-6, (c_tl, c_n)
+    for k, (a, b) in per.items():
+        assert a <= 10 * b + 1e-5, (k, a, b)
+    assert all(bool(torch.isfinite(v).all()) for v in g_tl.values())
 
 
 def test_training_steps_on_tilelang_lower_the_loss(setup, counts):
