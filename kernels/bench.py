@@ -256,7 +256,9 @@ def gemms(results, args):
 
 def gemm_diag(results, args):
     """Where the fp8 GEMM's time goes (4096x5120x5120; WRONG numerics, timing only): the ws kernel as is, with
-    the per-slice wait but no promotion, and with neither (a plain fp8 GEMM in the same structure)."""
+    the per-slice wait but no promotion, and with neither (a plain fp8 GEMM in the same structure); then 2-CTA
+    clusters sharing the A tile by TMA multicast (``cluster=2``, correct numerics unless diag), with the plain
+    GEMM's ceiling under multicast (diag="no_wait")."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     M, N, K = 4096, 5120, 5120
@@ -264,14 +266,18 @@ def gemm_diag(results, args):
     a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
     b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
     sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
-    for base in (dict(), dict(consumers=2, BN=192, nreg=(240, 24), stages=2)):
-        for diag in ("", "no_promote", "no_wait"):
-            name = f"fp8_gemm ws {json.dumps(dict(base, diag=diag), separators=(',', ':'))}"
-            try:
-                k = fg.fp8_gemm_ws_kernel(N, K, **base, diag=diag)
-                results.append(row(name, bench(lambda: k(a, sa, b, sb)), 2 * M * N * K))
-            except Exception as e:
-                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    c2 = dict(consumers=2, BN=128, nreg=(240, 24), cluster=2)
+    variants = [(base, diag) for base in (dict(), dict(consumers=2, BN=192, nreg=(240, 24), stages=2))
+                for diag in ("", "no_promote", "no_wait")]
+    variants += [(dict(cluster=2), ""), (dict(cluster=2, stages=4), ""), (dict(cluster=2), "no_wait"),
+                 (c2, ""), (dict(c2, stages=4), ""), (c2, "no_wait")]
+    for base, diag in variants:
+        name = f"fp8_gemm ws {json.dumps(dict(base, diag=diag), separators=(',', ':'))}"
+        try:
+            k = fg.fp8_gemm_ws_kernel(N, K, **base, diag=diag)
+            results.append(row(name, bench(lambda: k(a, sa, b, sb)), 2 * M * N * K))
+        except Exception as e:
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages

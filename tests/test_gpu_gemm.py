@@ -45,8 +45,11 @@ def test_fp8_gemm(shape):
 # "ws" (K % 128 == 0): the warp-specialised kernel without turn-taking, BM = 64 * consumers (192 by default, so
 # M = 300 / 1000 leave a partial row block); persistent=132 = the H200's SM count (as the bench compiles it).
 FP8_WS_DT = dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4)
+# cluster=2: 2-CTA clusters along N sharing the A tile by TMA multicast (needs ceil(N/BN) even: 2304/128 = 18,
+# 5120/128 = 40; the 70-column shape has K = 96 and is refused for K first).
+FP8_WS_CLUSTER = [dict(kernel="ws", cluster=2), dict(kernel="ws", consumers=2, BN=128, nreg=(240, 24), cluster=2)]
 FP8_CFGS = [dict(kernel="loop"), dict(kernel="loop", BN=128, async_promote=True), dict(kernel="pingpong", BN=128),
-            dict(kernel="ws"), FP8_WS_DT]
+            dict(kernel="ws"), FP8_WS_DT] + FP8_WS_CLUSTER
 FP8_WIDE_CFGS = [dict(kernel="loop", stages=3),
                  dict(kernel="loop", async_promote=False, BN=128, BM=192, threads=384),
                  dict(kernel="loop", async_promote=True, BN=128, BK=256, stages=3),
@@ -58,7 +61,7 @@ FP8_WIDE_CFGS = [dict(kernel="loop", stages=3),
                  dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
                  dict(kernel="ws", BN=96, double_tmp=True, stages=4), dict(kernel="ws", BK=256, stages=2)]
 FP8_WS_RELEASE_CFGS = [dict(kernel="ws"), dict(kernel="ws", stages=4), dict(kernel="ws", stages=4, persistent=132),
-                       FP8_WS_DT, dict(FP8_WS_DT, persistent=132)]
+                       FP8_WS_DT, dict(FP8_WS_DT, persistent=132)] + FP8_WS_CLUSTER
 FP4_CFGS = [dict(BN=128, async_promote=False), dict(BN=128, async_promote=True)]
 FP4_WIDE_CFGS = [dict(BN=128, BM=192, threads=384), dict(BN=192, stages=4)]
 _cfg_id = lambda c: ",".join(f"{k}={v}" for k, v in c.items())
@@ -104,6 +107,16 @@ def test_fp8_gemm_ws_release(shape, cfg):
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     a, a_s, b, b_s = _fp8_operands(*shape, seed=2)
     _check_close(fg.fp8_gemm(a, a_s, b, b_s, **cfg), K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
+
+
+def test_fp8_gemm_ws_cluster_needs_even_column_blocks():
+    """cluster=2 pairs column blocks 2c, 2c + 1: BN=192 at N=5120 (27 blocks) and a persistent grid are refused
+    before compiling."""
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    with pytest.raises(ValueError, match="even number of column blocks"):
+        fg.fp8_gemm_ws_kernel(5120, 5120, consumers=2, BN=192, nreg=(240, 24), cluster=2)
+    with pytest.raises(ValueError, match="without a persistent grid"):
+        fg.fp8_gemm_ws_kernel(5120, 5120, stages=4, persistent=132, cluster=2)
 
 
 def test_fp8_gemm_leading_dims():

@@ -20,7 +20,9 @@ chain is WGMMA latency + barrier hand-over + the peer's WGMMA latency + hand-ove
 cycles per SMSP per slice) two consumers' WGMMAs are queued while the third promotes. Variants: two
 temporaries per consumer (``double_tmp``: slice g + 1's WGMMA runs while slice g is promoted; 2 consumers, 240
 registers), more stages with C written from registers (``store="direct"``), and a persistent grid (one CTA per
-SM walking grouped tiles, so a tile's epilogue overlaps the next tile's loads).
+SM walking grouped tiles, so a tile's epilogue overlaps the next tile's loads), and 2-CTA clusters along N
+(``cluster=2``, after run 16 found the kernel near the L2's bandwidth): rank 0 TMA-multicasts the shared A tile
+and its scales into both CTAs, halving the A traffic.
 
 Measured (H200, runs 10-11): ping-pong at BN=192, 2 stages 569 / 584 / 522 TFLOP/s at 4096x{5120x5120,
 2304x5120, 5120x2304} (3 stages 560 / 559-571 / 521-527); the pipelined loop at BN=192 549 / 541 / 508 (BN=128 477, async promotion + BK=256
@@ -199,7 +201,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: int = 128, stages: int = 3,
                        double_tmp: bool = False, swizzle: int = 8, nreg: tuple = (160, 24), store: str = "auto",
-                       persistent: int = 0, group: int = 8, diag: str = ""):
+                       persistent: int = 0, group: int = 8, diag: str = "", cluster: int = 1):
     """The warp-specialised kernel without turn-taking (``128 * (consumers + 1)`` threads, BM = 64 * consumers).
 
     * the last warpgroup, the producer (``nreg[1]`` registers), TMA-loads A [BM, BK], B [BN, BK] and their fp32
@@ -229,6 +231,21 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
     the per-slice structure: "no_promote" keeps the per-slice WGMMA -> wait but accumulates in the WGMMA (no
     temporary, no FFMA); "no_wait" issues a stage's slices back to back into the accumulator and waits once per
     stage (a plain fp8 GEMM in this kernel's structure: its ceiling).
+
+    ``cluster=2``: CTAs (2c, by) and (2c + 1, by) form a 2-CTA cluster (no rasterization swizzle: it would split
+    the pair). Why: at 192x128 tiles the kernel runs near the L2's bandwidth (run 16: 73% of L2 throughput, a plain
+    fp8 GEMM in this structure stops at 546 TFLOP/s); both CTAs need the same A tile and its scales, so rank 0
+    TMA-multicasts them into both CTAs' rings (half the A traffic), each CTA loading its own B and sb. Protocol
+    per ring stage s (both CTAs symmetric):
+      - producer: wait own ``empty[s]``; A + sa multicast (issued by rank 0 only; each CTA's ``full[s]`` expects
+        the bytes landing in its own shared memory: A + sa + B + sb); B + sb unicast; 128 arrivals on ``full[s]``;
+      - consumer warpgroup: wait own ``full[s]``, compute, 128 local arrivals on ``empty[s]``, then
+        (``__syncwarp``) lane 0 of each of its 4 warps arrives on the PEER's ``empty[s]``: ``empty[s]`` counts
+        128 * consumers + 4 * consumers arrivals, so it completes only when the consumers of BOTH CTAs released
+        the stage, the condition for rank 0's multicast to overwrite it in both CTAs;
+      - a cluster barrier after the barrier init (the peer's multicast / remote arrivals need initialised
+        mbarriers) and at the very end (the peer's last remote arrivals land before this CTA exits).
+    Needs ceil(N / BN) even and no ``persistent``.
     """
     M = T.dynamic("M")
     W, NC = 64, BN // 32
@@ -244,6 +261,11 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         raise ValueError(f"fp8_gemm ws: consumers={consumers} must be 2 or 3 (double_tmp needs BK/32 even)")
     if consumers * nreg[0] + nreg[1] > 512 or nreg[0] % 8 or nreg[1] % 8:
         raise ValueError(f"fp8_gemm ws: nreg={nreg} over 64K registers for {consumers} consumers")
+    if cluster not in (1, 2) or (cluster == 2 and persistent):
+        raise ValueError(f"fp8_gemm ws: cluster={cluster} must be 1 or 2 (cluster=2 without a persistent grid)")
+    if cluster == 2 and -(-N // BN) % 2:
+        raise ValueError(f"fp8_gemm ws: cluster=2 pairs column blocks and needs an even number of column blocks, "
+                         f"got ceil(N/BN) = ceil({N}/{BN}) = {-(-N // BN)}")
     ring = stages * (BM + BN) * (BK + SB * 4)
     if store == "auto":
         store = "smem" if not persistent and ring + BM * BN * 2 <= SMEM_MAX else "direct"
@@ -262,6 +284,20 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         T.wgmma_gemm(a_s[s, w * W:(w + 1) * W, kk * 32:(kk + 1) * 32], b_s[s, :, kk * 32:(kk + 1) * 32], tmp,
                      transpose_B=True, clear_accum=True)
 
+    if cluster == 1:
+        @T.macro
+        def release(bar, s):
+            T.barrier_arrive(bar[s])
+    else:
+        @T.macro
+        def release(bar, s):
+            """Local arrival by every consumer thread, then one per warp (after __syncwarp: the warp's reads of
+            the stage are ordered before it) on the peer CTA's copy of the barrier."""
+            T.barrier_arrive(bar[s])
+            T.sync_warp()
+            if T.get_thread_binding() % 32 == 0:
+                T.mbarrier_arrive(bar[s], 1 - T.block_rank_in_cluster())
+
     @T.macro
     def stage_single(w, t, k, acc, tmp0, sp, a_s, b_s, sa, sb, full, empty):
         it = t * NK + k                                 # ring position, continuing across tiles
@@ -279,7 +315,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
                 promote(w, s, kk, tmp0, acc, sp, sa, sb)
         if wait_stage:
             T.wait_wgmma(0)
-        T.barrier_arrive(empty[s])
+        release(empty, s)
 
     @T.macro
     def stage_double(w, t, k, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty):
@@ -299,7 +335,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
             promote(w, s, 2 * h, tmp0, acc, sp, sa, sb)
         T.wait_wgmma(0)
         promote(w, s, SB - 1, tmp1, acc, sp, sa, sb)
-        T.barrier_arrive(empty[s])                      # its WGMMAs completed, its scales read
+        release(empty, s)                               # its WGMMAs completed, its scales read
 
     @T.macro
     def mainloop(w, t, acc, tmp0, tmp1, sp, a_s, b_s, sa, sb, full, empty):
@@ -345,10 +381,18 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
     def load(it, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs):
         s = it % stages
         T.barrier_wait(empty[s], ((it // stages) % 2) ^ 1)
-        T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
-        T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
-        T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
-        T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
+        if cluster == 1:
+            T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
+            T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
+            T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
+            T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
+        else:                                           # A, sa: rank 0 multicasts to both; B, sb: own
+            T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s],
+                       cluster_mask=0b11)
+            T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
+            T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s],
+                       cluster_mask=0b11)
+            T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
         T.barrier_arrive(full[s])
 
     @T.macro
@@ -385,8 +429,12 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         b_s = T.alloc_shared([stages, BN, BK], FP8)
         sa = T.alloc_shared([stages, BM, SB], F32)
         sb = T.alloc_shared([stages, BN, SB], F32)
-        full = T.alloc_barrier(arrive_count=[128] * stages)
-        empty = T.alloc_barrier(arrive_count=[128 * consumers] * stages)
+        if cluster == 1:
+            full = T.alloc_barrier(arrive_count=[128] * stages)
+            empty = T.alloc_barrier(arrive_count=[128 * consumers] * stages)
+        else:                                           # + lane 0 of each of the peer's 4 * consumers warps
+            full = T.alloc_barrier(arrive_count=[128] * stages)
+            empty = T.alloc_cluster_barrier([128 * consumers + 4 * consumers] * stages)
         done = T.alloc_barrier(arrive_count=128 * consumers)
         tx = T.get_thread_binding()
         if tx >= 128 * consumers:
@@ -395,6 +443,8 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         else:
             T.set_max_nreg(nreg[0], 1)
             consumers_of(tx, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
+        if cluster == 2:
+            T.cluster_sync()                            # the peer's last remote arrivals landed: safe to exit
 
     if persistent:
         @T.prim_func
@@ -402,12 +452,18 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
                         Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
             with T.Kernel(persistent, threads=threads) as bid:
                 body(A, As, Bm, Bs, C, bid, 0)
-    else:
+    elif cluster == 1:
         @T.prim_func
         def fp8_gemm_ws(A: T.Tensor([M, K], FP8), As: T.Tensor([M, KB], F32), Bm: T.Tensor([N, K], FP8),
                         Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
             with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
                 T.use_swizzle(swizzle)
+                body(A, As, Bm, Bs, C, bx, by)
+    else:                                               # clusters (2c, by), (2c + 1, by): no swizzle
+        @T.prim_func
+        def fp8_gemm_ws(A: T.Tensor([M, K], FP8), As: T.Tensor([M, KB], F32), Bm: T.Tensor([N, K], FP8),
+                        Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
+            with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads, cluster_dims=(2, 1, 1)) as (bx, by):
                 body(A, As, Bm, Bs, C, bx, by)
 
     return compile_kernel(fp8_gemm_ws, out_idx=[4])
@@ -434,7 +490,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
     """Same contract as ``reference.fp8_gemm`` (block_size 32 only). ``kernel``: "pingpong" (default where K
     is a multiple of 128), "ws" (``fp8_gemm_ws_kernel``, K a multiple of 128; ``persistent=True`` = one CTA per
-    SM) or "loop" (``fp8_gemm_kernel``, any K multiple of 32); other cfg keys go to it."""
+    SM; ``cluster=2`` = 2-CTA clusters multicasting the A tile, ceil(N/BN) even) or "loop" (``fp8_gemm_kernel``, any K multiple of 32); other cfg keys go to it."""
     if block_size != 32:
         raise NotImplementedError("fp8_gemm (tilelang): block_size 32 only")
     K = a.shape[-1]
