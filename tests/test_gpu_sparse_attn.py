@@ -193,6 +193,14 @@ def test_sparse_attn_fwd_seesaw_cfg(shape, cfg):
     _check_fwd_out(o, lse, q, kv, sink, idx, scale, cfg["BI"], f"seesaw {cfg}")
 
 
+def test_sparse_attn_seesaw_register_pool():
+    """setmaxnreg over the 384-thread CTA's pool (3 * 168 registers a thread) would hang (the first
+    version's (240, 32) did on the H200): refused before compiling."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    with pytest.raises(ValueError, match="504"):
+        sa.fwd_kernel_seesaw(64, 512, 640, 512 ** -0.5, nreg=(240, 32))
+
+
 def test_sparse_attn_seesaw_grad(monkeypatch):
     """The backward from the seesaw forward's LSE (FWD_DEFAULT = "seesaw" through the public op)."""
     _need_tilelang()

@@ -335,7 +335,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, nreg: tuple = (240, 32),
+def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, nreg: tuple = (240, 24),
                       seed: bool = True, unroll: bool = True, qk_split: int = 1):
     """o, lse = fwd(q, kv, sink, idx), "seesaw" schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
@@ -373,6 +373,12 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     ``qk_split`` (QK issued as that many commit groups over D slices). ptxas (CUDA 13.0) spills at
     D = 512 (BI 64: 2268 B, qk_split 4: 1716 B, BI 32: 440 B; none at D <= 256): the SASS shows the
     spilled values are precomputed 64-bit WGMMA descriptors reloaded (LDL.64 -> R2UR) at each QK.
+
+    Registers: ``setmaxnreg`` moves registers within the CTA's pool, which is what the launch allocated:
+    ptxas gives a 384-thread kernel with setmaxnreg 168 registers a thread (65536 / 384 rounded down to
+    8), 3 * 168 = 504 per 128-thread row, so 2 * nreg[0] + nreg[1] must be <= 504. (240, 32) asked for
+    512: the second consumer's ``setmaxnreg.inc`` waited forever for 1024 registers (the H200 hang of
+    the first version). The producer needs no more than 24 (same ptxas spill figures as with 32).
     """
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     if H != 64:
@@ -383,6 +389,9 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         raise ValueError("fwd_kernel_seesaw: TP a multiple of 2*BI, stages >= 2, BI a multiple of 16")
     if (H + stages * BI) * D * 2 + 2 * H * BI * 2 + stages * BI * 4 > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_seesaw: shared memory over 227 KB")
+    if 2 * nreg[0] + nreg[1] > 3 * 168 or any(r % 8 or not 24 <= r <= 256 for r in nreg):
+        raise ValueError(f"fwd_kernel_seesaw: nreg {nreg}: 2 * nreg[0] + nreg[1] must be <= 504 (the 384-thread "
+                         "CTA's register pool; more makes setmaxnreg.inc wait forever), multiples of 8 in [24, 256]")
     NI = TP // BI
     NP = NI // 2
     NS = stages
@@ -619,7 +628,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
             bar_end = T.alloc_barrier(arrive_count=256)
 
             tx = T.get_thread_binding()
-            if tx < 128:
+            if tx < 128:                                 # 2 * nreg[0] + nreg[1] <= 504: the pool (docstring)
                 T.set_max_nreg(nreg[0], 1)
                 consumer(0, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
                          full, empty, bar_p0, bar_p1, free0, free1, bar_end, Sink, O, Lse, bi, mi)
