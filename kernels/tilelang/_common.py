@@ -53,3 +53,11 @@ def plain(t: torch.Tensor) -> torch.Tensor:
             raise Unsupported("a TileLang kernel cannot run under torch.func.vmap (batched tensor)")
         t = F.get_unwrapped(t)
     return t
+
+
+def register_pool_per_row(threads: int) -> int:
+    """setmaxnreg budget: a CTA of ``threads`` threads launches with floor(65536 / threads) registers a thread
+    rounded down to 8 (168 at 384 threads, 128 at 512), and ``setmaxnreg`` only moves registers within that
+    pool; so the per-warpgroup budgets must sum to at most ``threads / 128 * that``, or a warpgroup's increase
+    waits forever (the seesaw forward's hang, H200 run 15)."""
+    return threads // 128 * (65536 // threads // 8 * 8)

@@ -41,7 +41,7 @@ import tilelang.language as T
 
 from functional_dsv41 import quant
 
-from ._common import compile_kernel, sm_count
+from ._common import compile_kernel, register_pool_per_row, sm_count
 from ._gemm import promote_loop
 
 SMEM_MAX = 227 * 1024 - 1024          # dynamic shared memory per CTA (H100/H200), minus barriers
@@ -116,7 +116,9 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     KB, SB, NK = K // 32, BK // 32, K // BK
     if K % BK or BK % 128 or BN % 32:
         raise ValueError(f"fp8_gemm ping-pong: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 32")
-    assert 2 * nreg[0] + nreg[1] <= 504, nreg
+    if 2 * nreg[0] + nreg[1] > register_pool_per_row(384):
+        raise ValueError(f"fp8_gemm ping-pong: nreg={nreg} over the 384-thread CTA's register pool "
+                         f"({register_pool_per_row(384)} per thread of a warpgroup row)")
     smem = stages * (BM + BN) * (BK + SB * 4) + BM * BN * 2
     if smem > SMEM_MAX:
         raise ValueError(f"fp8_gemm ping-pong: shared memory {smem} B over {SMEM_MAX}")
@@ -259,8 +261,9 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         raise ValueError(f"fp8_gemm ws: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 32")
     if consumers not in (2, 3) or (double_tmp and SB % 2):
         raise ValueError(f"fp8_gemm ws: consumers={consumers} must be 2 or 3 (double_tmp needs BK/32 even)")
-    if consumers * nreg[0] + nreg[1] > 512 or nreg[0] % 8 or nreg[1] % 8:
-        raise ValueError(f"fp8_gemm ws: nreg={nreg} over 64K registers for {consumers} consumers")
+    if consumers * nreg[0] + nreg[1] > register_pool_per_row(threads) or nreg[0] % 8 or nreg[1] % 8:
+        raise ValueError(f"fp8_gemm ws: nreg={nreg} over the register pool of {threads} threads "
+                         f"({register_pool_per_row(threads)} per thread of a warpgroup row)")
     if cluster not in (1, 2) or (cluster == 2 and persistent):
         raise ValueError(f"fp8_gemm ws: cluster={cluster} must be 1 or 2 (cluster=2 without a persistent grid)")
     if cluster == 2 and -(-N // BN) % 2:
