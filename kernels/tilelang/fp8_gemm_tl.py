@@ -13,26 +13,22 @@ warpgroups, each owning 64 rows of the 128-row tile, take strict turns on the te
 slice's WGMMA after the other's completed), so one consumer's promotion overlaps the other's WGMMA.
 ``fp8_gemm_kernel`` is the same loop scheduled by TileLang's pipeliner (``_gemm.promote_loop``, shared with
 the fp4 GEMM): both consumers restart every K tile on the same barrier and promote in lock step.
-``fp8_gemm_ws_kernel`` (``kernel="ws"``, not yet measured): the producer/consumer ring of the ping-pong without
-the turn barriers, with 2 or 3 consumer warpgroups (BM = 64 per consumer). Why: in the ping-pong each slice's
-chain is WGMMA latency + barrier hand-over + the peer's WGMMA latency + hand-over, so the tensor core idles
-(29% of fp8 peak); with 3 free-running consumers at BN=128 (WGMMA 64 tensor cycles, promotion 64 FFMA issue
-cycles per SMSP per slice) two consumers' WGMMAs are queued while the third promotes. Variants: two
-temporaries per consumer (``double_tmp``: slice g + 1's WGMMA runs while slice g is promoted; 2 consumers, 240
-registers), more stages with C written from registers (``store="direct"``), and a persistent grid (one CTA per
-SM walking grouped tiles, so a tile's epilogue overlaps the next tile's loads), and 2-CTA clusters along N
-(``cluster=2``, after run 16 found the kernel near the L2's bandwidth): rank 0 TMA-multicasts the shared A tile
-and its scales into both CTAs, halving the A traffic.
+``fp8_gemm_ws_kernel`` (``kernel="ws"``): the producer/consumer ring of the ping-pong without the turn
+barriers, with 2 or 3 consumer warpgroups (BM = 64 per consumer), optionally two temporaries per consumer
+(``double_tmp``), C written from registers (``store="direct"``), a persistent grid, and 2-CTA clusters along N
+(``cluster=2``: rank 0 TMA-multicasts the shared A tile and its scales into both CTAs, halving the A traffic;
+each stage is released by both CTAs' consumers). ``diag`` variants (bench only, scales ignored) time the
+structure without the promotion.
 
-Measured (H200, runs 10-11): ping-pong at BN=192, 2 stages 569 / 584 / 522 TFLOP/s at 4096x{5120x5120,
-2304x5120, 5120x2304} (3 stages 560 / 559-571 / 521-527); the pipelined loop at BN=192 549 / 541 / 508 (BN=128 477, async promotion + BK=256
-518); the ping-pong at BN=128 408-478. Removed after run 10: the first loop (two scale loads + FMUL + FFMA
-per element, 359-386), the ping-pong's hand-over-at-issue and async-promotion orders (never faster).
-Limit now: promotion costs one FFMA per accumulator element per 32-deep slice, about the cycles of the slice's
-WGMMA, and the strict alternation still leaves the tensor core idle while both consumers wait on the TMA ring
-(~60% of the 900 target). Next step: three consumer warpgroups (or BN=256 with a register-light promotion) so
-that two WGMMAs are always queued, and a persistent tile scheduler to overlap each tile's epilogue: both are
-``fp8_gemm_ws_kernel`` (bench section "gemm" sweeps its variants).
+Measured (H200, TFLOP/s at 4096x{5120x5120, 2304x5120, 5120x2304}): the ping-pong at BN=192, 2 stages 570 /
+579 / 517 (run 14; the default); the pipelined loop 548 / 544 / 513; ws, 3 consumers 536 / 512 / 506 and no
+variant above the ping-pong (run 14); ws with ``cluster=2``, 3 consumers: 585 at 5120x5120 (run 17, the only
+shape measured). Where the time goes (runs 16-17): a PLAIN fp8 GEMM in these structures (``diag="no_wait"``)
+stops at 546 (192x128 tiles) / 671 (128x192), and 657 with the multicast; Nsight Compute puts the 3-consumer
+kernel at 73% of the L2's throughput and the ping-pong at half its issue slots with 0.65 eligible warps per
+scheduler. So the limits are, in order: L2 traffic per flop (a tile pair's operands), latency between the
+consumers' WGMMAs, and the promotion (15% of the ping-pong's time). Next: multicast B too (2x2 clusters) and
+measure ``cluster=2`` at every shape before making it the default.
 """
 import functools
 

@@ -24,7 +24,12 @@ after run 10: its default did not fit the H200's shared memory and its variants 
 Third (``impl="seesaw"``, H = 64, not yet the default): ``fwd_kernel_seesaw``, FlashMLA's "seesaw"
 schedule - each consumer computes S of every other 64-slot block (m64n64 QK) and owns a D half of the
 output; the two alternate their softmaxes so one's exponentials overlap the other's WGMMAs, and they
-meet once per block (the max of the last block is passed on); running max per BI-slot block.
+meet once per block (the max of the last block is passed on); running max per BI-slot block. Measured
+(H200 run 17, release shape): 164 TFLOP/s at BI = 64 / 2 stages, 278 at BI = 32 / 4 stages, below ``ws``'s
+365: ptxas spills 0.4-2.3 KB at D = 512 (the precomputed WGMMA descriptors, reloaded at every QK) and with
+2 stages of 64 slots the gather cannot run ahead. Nsight Compute on ``ws`` (run 16): tensor pipe 41% busy,
+no eligible warp in 70% of cycles, L2 at 22% - latency-bound, which is what this schedule is for once the
+spills are gone.
 
 Backward (the release ships none): Delta_h = dO_h . O_h; recompute P from q, kv and LSE;
 dP = dO kv^T; dS = scale * P * (dP - Delta); dq = dS kv; dkv[idx_t] += dS^T q + P^T dO (fp32 atomics
