@@ -133,6 +133,26 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
     return compile_kernel(sparse_attn_fwd, out_idx=[4, 5])
 
 
+def _ws_epilogue(H: int, DH: int, c: float):
+    """The warp-specialised forwards' last step, per consumer w (after both consumers' row sums l are in
+    sum_s and every WGMMA on q_s is done): add the peer's sum and the sink exp2(sink log2e - c m) to l,
+    normalise this consumer's D half of O, store it through q_s (free by then), and (w == 0) the LSE."""
+
+    @T.macro
+    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi):
+        for h in T.Parallel(H):
+            l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] /= l[h]
+        T.copy(acc_o, q_s[:, w * DH:(w + 1) * DH])
+        T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+        if w == 0:
+            for h in T.Parallel(H):
+                ls[h] = T.log2(l[h]) + m[h] * c
+            T.copy(ls, Lse[bi, mi, :])
+    return epilogue
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: int = 4, early_qk: bool = True,
                   nreg: tuple = (232, 40)):
@@ -173,6 +193,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
     early = bool(early_qk) and NS >= 4 and NP > 1      # the next pair must live in other stages
     DH = D // 2
     c = float(scale) * LOG2E
+    epilogue = _ws_epilogue(H, DH, c)
     CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
 
     @T.macro
@@ -256,16 +277,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
         T.copy(l, sum_s[w, :])
         T.barrier_arrive(bar_mx[w])
         T.barrier_wait(bar_mx[1 - w], NP % 2)
-        for h in T.Parallel(H):
-            l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
-        for h, d in T.Parallel(H, DH):
-            acc_o[h, d] /= l[h]
-        T.copy(acc_o, q_s[:, w * DH:(w + 1) * DH])
-        T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
-        if w == 0:
-            for h in T.Parallel(H):
-                ls[h] = T.log2(l[h]) + m[h] * c
-            T.copy(ls, Lse[bi, mi, :])
+        epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi)
 
     @T.prim_func
     def sparse_attn_fwd_ws(
@@ -402,6 +414,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     NS = stages
     DH = D // 2
     c = float(scale) * LOG2E
+    epilogue = _ws_epilogue(H, DH, c)
     CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
     QG = int(qk_split)                  # commit groups a QK is issued in (fewer live WGMMA descriptors)
     DK = D // QG
@@ -580,16 +593,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         T.copy(l, sum_s[w, :])
         T.barrier_arrive(bar_end)
         T.barrier_wait(bar_end, 0)
-        for h in T.Parallel(H):
-            l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
-        for h, d in T.Parallel(H, DH):
-            acc_o[h, d] /= l[h]
-        T.copy(acc_o, q_s[:, w * DH:(w + 1) * DH])
-        T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
-        if w == 0:
-            for h in T.Parallel(H):
-                ls[h] = T.log2(l[h]) + m[h] * c
-            T.copy(ls, Lse[bi, mi, :])
+        epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi)
 
     @T.prim_func
     def sparse_attn_fwd_seesaw(
