@@ -133,6 +133,32 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
     return compile_kernel(sparse_attn_fwd, out_idx=[4, 5])
 
 
+def _ws_gather(H: int, BI: int, CPR: int):
+    """The warp-specialised forwards' producer steps (thread tp of its 128; 8 threads a row, CPR 16-byte
+    chunks each): ``load_q`` copies Q [H, D] into q_s and arrives on bar_q; ``gather_kv`` copies block j's BI
+    KV rows (row max(idx, 0): a hole gathers row 0, its probability is 0) into stage s (the caller arrives)."""
+
+    @T.macro
+    def load_q(tp, q_s, Q, bi, mi, bar_q):
+        for r in T.unroll(H // 16):              # Q: 8 threads a row, 16 rows a pass
+            for u in T.unroll(CPR):
+                T.ptx_cp_async(
+                    T.access_ptr(q_s[r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
+                    T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
+        T.cp_async_barrier_noinc(bar_q)
+
+    @T.macro
+    def gather_kv(tp, j, s, kv_s, KV, Idx, bi, mi):
+        for r in T.unroll(BI // 16):
+            row = r * 16 + tp // 8
+            src = T.max(Idx[bi, mi, j * BI + row], 0)
+            for u in T.unroll(CPR):
+                T.ptx_cp_async(
+                    T.access_ptr(kv_s[s, row, u * 64 + (tp % 8) * 8], "w", 8),
+                    T.access_ptr(KV[bi, src, u * 64 + (tp % 8) * 8], "r", 8), 8)
+    return load_q, gather_kv
+
+
 def _ws_epilogue(H: int, DH: int, c: float):
     """The warp-specialised forwards' last step, per consumer w (after both consumers' row sums l are in
     sum_s and every WGMMA on q_s is done): add the peer's sum and the sink exp2(sink log2e - c m) to l,
@@ -195,6 +221,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
     c = float(scale) * LOG2E
     epilogue = _ws_epilogue(H, DH, c)
     CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
+    load_q, gather_kv = _ws_gather(H, BI, CPR)
 
     @T.macro
     def hole_bias(j, bias, Idx, bi, mi):
@@ -330,22 +357,11 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
             else:
                 T.set_max_nreg(nreg[1], 0)
                 tp = tx - 256
-                for r in T.unroll(H // 16):              # Q: 8 threads a row, 16 rows a pass
-                    for u in T.unroll(CPR):
-                        T.ptx_cp_async(
-                            T.access_ptr(q_s[r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
-                            T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
-                T.cp_async_barrier_noinc(bar_q)
+                load_q(tp, q_s, Q, bi, mi, bar_q)
                 for j in T.serial(NI):
                     s = j % NS
                     T.barrier_wait(empty[s], ((j // NS) % 2) ^ 1)
-                    for r in T.unroll(BI // 16):
-                        row = r * 16 + tp // 8
-                        src = T.max(Idx[bi, mi, j * BI + row], 0)
-                        for u in T.unroll(CPR):
-                            T.ptx_cp_async(
-                                T.access_ptr(kv_s[s, row, u * 64 + (tp % 8) * 8], "w", 8),
-                                T.access_ptr(KV[bi, src, u * 64 + (tp % 8) * 8], "r", 8), 8)
+                    gather_kv(tp, j, s, kv_s, KV, Idx, bi, mi)
                     T.cp_async_barrier_noinc(full[s])
 
     return compile_kernel(sparse_attn_fwd_ws, out_idx=[4, 5])
@@ -416,6 +432,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     c = float(scale) * LOG2E
     epilogue = _ws_epilogue(H, DH, c)
     CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
+    load_q, gather_kv = _ws_gather(H, BI, CPR)
     QG = int(qk_split)                  # commit groups a QK is issued in (fewer live WGMMA descriptors)
     DK = D // QG
     if D % QG or DK % 64 or (QG > 1 and not seed):
@@ -648,25 +665,14 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
             else:
                 T.set_max_nreg(nreg[1], 0)
                 tp = tx - 256
-                for r in T.unroll(H // 16):              # Q: 8 threads a row, 16 rows a pass
-                    for u in T.unroll(CPR):
-                        T.ptx_cp_async(
-                            T.access_ptr(q_s[r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
-                            T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
-                T.cp_async_barrier_noinc(bar_q)
+                load_q(tp, q_s, Q, bi, mi, bar_q)
                 for j in T.serial(NI):
                     s = st(j)
                     T.barrier_wait(empty[s], ph(j) ^ 1)
                     if tp < BI:                          # the block's indices (hole mask for the QK seed)
                         T.ptx_cp_async(T.access_ptr(idx_s[s, tp], "w", 1),
                                        T.access_ptr(Idx[bi, mi, j * BI + tp], "r", 1), 1)
-                    for r in T.unroll(BI // 16):
-                        row = r * 16 + tp // 8
-                        src = T.max(Idx[bi, mi, j * BI + row], 0)
-                        for u in T.unroll(CPR):
-                            T.ptx_cp_async(
-                                T.access_ptr(kv_s[s, row, u * 64 + (tp % 8) * 8], "w", 8),
-                                T.access_ptr(KV[bi, src, u * 64 + (tp % 8) * 8], "r", 8), 8)
+                    gather_kv(tp, j, s, kv_s, KV, Idx, bi, mi)
                     T.cp_async_barrier_noinc(full[s])
 
     return compile_kernel(sparse_attn_fwd_seesaw, out_idx=[4, 5])
