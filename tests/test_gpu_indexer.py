@@ -35,6 +35,7 @@ SCORE_SHAPES = [  # b, s, n, H, D
     (2, 37, 300, 32, 128),          # query tail (not a multiple of BQ), entry tail (not of BN)
     (1, 4096, 1024, 32, 128),       # release: 4096 queries, ratio 4
     (2, 50, 200, 16, 64),
+    (2, 128, 128, 16, 32),          # tests/test_gpu_train.py's model: 16 heads of 32
 ]
 
 
@@ -211,7 +212,8 @@ def test_index_candidates_packed_exact(bsn):
         assert torch.equal(out, ref), tb
 
 
-@pytest.mark.parametrize("shape", [(2, 37, 300, 32, 128), (1, 512, 128, 32, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 37, 300, 32, 128), (1, 512, 128, 32, 128), (2, 128, 128, 16, 32)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_index_scores_backward(shape):
     """dq, dk, dw vs autograd of the reference (the upstream gradient is zero where the scores are -inf)."""
     need_tilelang()

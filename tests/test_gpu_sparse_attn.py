@@ -44,6 +44,7 @@ ATTN_SHAPES = [  # B, M, H, D, N, T
     (2, 5, 16, 64, 90, 70),
     (1, 33, 64, 128, 300, 200),
     (2, 64, 64, 512, 700, 640),
+    (2, 128, 16, 128, 192, 144),    # tests/test_gpu_train.py's model: 16 heads of 128, window 16 + top-128
 ]
 
 
@@ -239,7 +240,8 @@ def _check_grads(q, kv, sink, idx, do, scale):
         assert cd < max(1e-4, 1.5 * cd_ref), f"{name}: cosine diff {cd:.2e} (reference's own {cd_ref:.2e})"
 
 
-BWD_SHAPES = [(2, 5, 16, 64, 90, 70), (1, 48, 64, 512, 400, 640), (1, 1024, 64, 512, 1536, 640)]
+BWD_SHAPES = [(2, 5, 16, 64, 90, 70), (1, 48, 64, 512, 400, 640), (1, 1024, 64, 512, 1536, 640),
+              (2, 128, 16, 128, 192, 144)]      # tests/test_gpu_train.py's model
 
 
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
