@@ -40,6 +40,19 @@ def _release_idx(M, N_window, n_comp, topk=512, window=128, seed=0):
     return torch.cat([w, c], -1).int()[None]
 
 
+def _release_inputs(seed, idx_seed, with_do=False):
+    """q, kv, sink (+ do) drawn from one generator seeded ``seed``, and idx = ``_release_idx(seed=idx_seed)``:
+    a release prefill, 4096 queries, 64 heads x 512, 128 window + 512 of 2048 compressed rows."""
+    M, H, D, n_comp = 4096, 64, 512, 2048
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
+    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(H, device=DEV, generator=g)
+    do = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16() if with_do else None
+    idx = _release_idx(M, M, n_comp, seed=idx_seed)
+    return q, kv, sink, do, idx
+
+
 ATTN_SHAPES = [  # B, M, H, D, N, T
     (2, 5, 16, 64, 90, 70),
     (1, 33, 64, 128, 300, 200),
@@ -66,12 +79,8 @@ def test_sparse_attn_fwd(shape):
 
 def test_sparse_attn_fwd_release():
     _need_tilelang()
-    M, H, D, n_comp = 4096, 64, 512, 2048
-    g = torch.Generator(device=DEV).manual_seed(1)
-    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEV, generator=g)
-    idx = _release_idx(M, M, n_comp)
+    q, kv, sink, _, idx = _release_inputs(1, idx_seed=0)
+    D = q.shape[-1]
     o = K.sparse_attn(q, kv, sink, idx, D ** -0.5, impl="tilelang")
     ref = K.sparse_attn(q, kv, sink, idx, D ** -0.5, impl="torch")
     assert cosine_diff(o, ref) < 1e-4
@@ -162,12 +171,8 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 @pytest.mark.parametrize("impl", ["ws", "lockstep", "seesaw"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
-    M, H, D, n_comp = 4096, 64, 512, 2048
-    g = torch.Generator(device=DEV).manual_seed(1)
-    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEV, generator=g)
-    idx = _release_idx(M, M, n_comp)
+    q, kv, sink, _, idx = _release_inputs(1, idx_seed=0)
+    D = q.shape[-1]
     _check_fwd_impl(q, kv, sink, idx, D ** -0.5, impl, block)
 
 
@@ -266,13 +271,8 @@ def test_sparse_attn_bwd_empty_row():
 
 def test_sparse_attn_bwd_release():
     _need_tilelang()
-    M, H, D, n_comp = 4096, 64, 512, 2048
-    g = torch.Generator(device=DEV).manual_seed(2)
-    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEV, generator=g)
-    do = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    idx = _release_idx(M, M, n_comp, seed=2)
+    q, kv, sink, do, idx = _release_inputs(2, idx_seed=2, with_do=True)
+    D = q.shape[-1]
     _check_grads(q, kv, sink, idx, do, D ** -0.5)
 
 
@@ -310,13 +310,8 @@ def test_sparse_attn_bwd_split(shape, split_bwd):
 
 
 def test_sparse_attn_bwd_split_release(split_bwd):
-    M, H, D, n_comp = 4096, 64, 512, 2048
-    g = torch.Generator(device=DEV).manual_seed(2)
-    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
-    sink = torch.randn(H, device=DEV, generator=g)
-    do = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
-    idx = _release_idx(M, M, n_comp, seed=2)
+    q, kv, sink, do, idx = _release_inputs(2, idx_seed=2, with_do=True)
+    D = q.shape[-1]
     _check_grads(q, kv, sink, idx, do, D ** -0.5)
 
 
