@@ -73,6 +73,7 @@ def attention_fwd(results, args):
     the rest its keyword arguments); each variant also prints its distance to the lock-step output
     (cosine diff, max abs) so a broken variant shows next to its time."""
     from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import sparse_attn_seesaw_tl as ss
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     a = _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
@@ -120,7 +121,7 @@ def attention_fwd(results, args):
         name = f"  seesaw kernel {json.dumps(cfg, separators=(',', ':'))}"
         try:
             ip = sa._pad_idx(idx, 2 * cfg["BI"])
-            kf = sa.fwd_kernel_seesaw(H, D, ip.shape[-1], scale, **cfg)
+            kf = ss.fwd_kernel_seesaw(H, D, ip.shape[-1], scale, **cfg)
             o = kf(q, kv, sink, ip)[0]
             results.append(row(name, bench(lambda: kf(q, kv, sink, ip)), fl, by_f, dist(o)))
         except Exception as e:
@@ -137,6 +138,7 @@ def attention_fwd(results, args):
 
 
 def attention_bwd(results, args):
+    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     a = _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_b = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_b"))
@@ -146,14 +148,14 @@ def attention_bwd(results, args):
     do = torch.randn_like(o)
     results.append(row("sparse_attn bwd  tilelang (delta+bwd+dsink)",
                        bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale)), 2.5 * fl, by_b))
-    delta = sa.delta_kernel(H, D)(o.view(B * M, H, D), do.view(B * M, H, D))
+    delta = sb.delta_kernel(H, D)(o.view(B * M, H, D), do.view(B * M, H, D))
     dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
-    kb = sa.bwd_kernel(H, D, T, scale)
+    kb = sb.bwd_kernel(H, D, T, scale)
     results.append(row("  of which the main bwd kernel", bench(lambda: kb(q, kv, do, idx, lse, delta.view(B, M, H), dkv)),
                        2.5 * fl, by_b))
     for cfg in args.attn_bwd_cfgs:
         try:
-            kb2 = sa.bwd_kernel(H, D, T, scale, **cfg)
+            kb2 = sb.bwd_kernel(H, D, T, scale, **cfg)
             results.append(row(f"  bwd kernel {json.dumps(cfg, separators=(',', ':'))}",
                                bench(lambda: kb2(q, kv, do, idx, lse, delta.view(B, M, H), dkv)), 2.5 * fl, by_b))
         except Exception as e:

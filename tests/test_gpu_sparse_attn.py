@@ -188,6 +188,7 @@ SEESAW_CFGS = [dict(BI=32, stages=4), dict(BI=64, stages=2, seed=False), dict(BI
 def test_sparse_attn_fwd_seesaw_cfg(shape, cfg):
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang.sparse_attn_seesaw_tl import fwd_kernel_seesaw
     if shape[3] == 256 and cfg != SEESAW_CFGS[0]:
         pytest.skip("D = 256 runs the BI = 32 variant only (fewer compiled kernels)")
     q, kv, sink, idx = _attn_inputs(*shape, seed=12)
@@ -195,16 +196,16 @@ def test_sparse_attn_fwd_seesaw_cfg(shape, cfg):
     idx[0, 3, 64:192] = -1                             # whole blocks of holes mid-row
     scale = shape[3] ** -0.5
     ip = sa._pad_idx(idx, 2 * cfg["BI"])
-    o, lse = sa.fwd_kernel_seesaw(64, shape[3], ip.shape[-1], scale, **cfg)(q, kv, sink.float(), ip)
+    o, lse = fwd_kernel_seesaw(64, shape[3], ip.shape[-1], scale, **cfg)(q, kv, sink.float(), ip)
     _check_fwd_out(o, lse, q, kv, sink, idx, scale, cfg["BI"], f"seesaw {cfg}")
 
 
 def test_sparse_attn_seesaw_register_pool():
     """setmaxnreg over the 384-thread CTA's pool (3 * 168 registers a thread) would hang (the first
     version's (240, 32) did on the H200): refused before compiling."""
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_seesaw_tl as ss
     with pytest.raises(ValueError, match="504"):
-        sa.fwd_kernel_seesaw(64, 512, 640, 512 ** -0.5, nreg=(240, 32))
+        ss.fwd_kernel_seesaw(64, 512, 640, 512 ** -0.5, nreg=(240, 32))
 
 
 def test_sparse_attn_seesaw_grad(monkeypatch):

@@ -1,8 +1,15 @@
-"""Sparse attention backward split in two kernels (issue #7 item 1): dq over queries, dkv over (query, slot).
+"""Sparse attention backward (issue #7 item 1; the release ships none): the default split in two kernels (dq over
+queries, dkv over (query, slot)), and the single-kernel "atomic" backward kept as its cross-check.
 
 Shapes: q, o, do [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), idx [B, M, TP] int32 (-1 holes, TP a
 multiple of BI), lse / delta [B, M, H] fp32 (lse in log2 units of the scaled logits, as the forward
-writes it; delta = dO . O). Math as in ``sparse_attn_tl`` (the single-kernel "atomic" backward).
+writes it; delta = dO . O).
+
+Math: Delta_h = dO_h . O_h (``delta_kernel``); recompute P from q, kv and LSE; dP = dO kv^T;
+dS = scale * P * (dP - Delta); dq = dS kv; dkv[idx_t] += dS^T q + P^T dO (fp32 atomics into a [B, N, D]
+fp32 buffer); dsink_h = -sum P_sink * Delta with P_sink = exp2(sink log2e - LSE). Rounding of P to bf16
+in the forward is treated as the identity (straight-through), as FlashAttention does; P and dS enter the
+backward GEMMs as bf16. ``bwd_kernel`` (atomic) does all of it in one kernel per (query, head block).
 
 1. ``dq_kernel`` — one CTA per (query, <= 64 heads), 3 GEMMs per index block: S = q kv^T,
    dP = dO kv^T, dq += dS kv, with P = exp2(c S - LSE) and dS = scale * P * (dP - Delta). It also writes
@@ -42,9 +49,112 @@ import tilelang.language as T
 import torch
 
 from ._common import LOG2E, compile_kernel
-from .sparse_attn_tl import _head_block, _pad_idx, delta_kernel
+from .sparse_attn_tl import _head_block, _pad_idx
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
+
+
+@functools.lru_cache(maxsize=None)
+def delta_kernel(H: int, D: int, threads: int = 128):
+    """Delta[b, m, h] = sum_d dO * O (fp32)."""
+    R = T.dynamic("R")
+    BH = _head_block(H)
+    DC = min(D, 128)
+
+    @T.prim_func
+    def sparse_attn_delta(
+        O: T.Tensor([R, H, D], BF16),
+        dO: T.Tensor([R, H, D], BF16),
+        Delta: T.Tensor([R, H], F32),
+    ):
+        with T.Kernel(R, H // BH, threads=threads) as (r, hb):
+            o = T.alloc_fragment([BH, DC], F32)
+            do = T.alloc_fragment([BH, DC], F32)
+            acc = T.alloc_fragment([BH, DC], F32)
+            delta = T.alloc_fragment([BH], F32)
+            T.clear(acc)
+            for k in T.serial(D // DC):
+                T.copy(O[r, hb * BH:(hb + 1) * BH, k * DC:(k + 1) * DC], o)
+                T.copy(dO[r, hb * BH:(hb + 1) * BH, k * DC:(k + 1) * DC], do)
+                for h, d in T.Parallel(BH, DC):
+                    acc[h, d] += o[h, d] * do[h, d]
+            T.reduce_sum(acc, delta, dim=1)
+            T.copy(delta, Delta[r, hb * BH:(hb + 1) * BH])
+
+    return compile_kernel(sparse_attn_delta, out_idx=[2])
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, DS: int = 4, threads: int = 256):
+    """dq = bwd(q, kv, do, idx, lse, delta, dkv_acc); dkv_acc (fp32 [B, N, D]) accumulates in place.
+
+    The [BI, D] dkv block is built in DS column slices (registers: dq takes BH*D/threads fp32)."""
+    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
+    BH = _head_block(H)
+    NI = TP // BI
+    c = float(scale) * LOG2E
+    DH = D // DS
+
+    @T.prim_func
+    def sparse_attn_bwd(
+        Q: T.Tensor([B, M, H, D], BF16),
+        KV: T.Tensor([B, N, D], BF16),
+        dO: T.Tensor([B, M, H, D], BF16),
+        Idx: T.Tensor([B, M, TP], I32),
+        Lse: T.Tensor([B, M, H], F32),
+        Delta: T.Tensor([B, M, H], F32),
+        dKV: T.Tensor([B, N, D], F32),
+        dQ: T.Tensor([B, M, H, D], BF16),
+    ):
+        with T.Kernel(M, H // BH, B, threads=threads) as (mi, hb, bi):
+            q_s = T.alloc_shared([BH, D], BF16)
+            do_s = T.alloc_shared([BH, D], BF16)
+            kv_s = T.alloc_shared([BI, D], BF16)
+            p_s = T.alloc_shared([BH, BI], BF16)
+            ds_s = T.alloc_shared([BH, BI], BF16)
+            valid = T.alloc_fragment([BI], "bool")
+            acc_p = T.alloc_fragment([BH, BI], F32)
+            acc_dp = T.alloc_fragment([BH, BI], F32)
+            acc_dq = T.alloc_fragment([BH, D], F32)
+            acc_dkv = T.alloc_fragment([BI, DH], F32)
+            lse = T.alloc_fragment([BH], F32)
+            delta = T.alloc_fragment([BH], F32)
+
+            h0 = hb * BH
+            T.copy(Q[bi, mi, h0:h0 + BH, :], q_s)
+            T.copy(dO[bi, mi, h0:h0 + BH, :], do_s)
+            T.copy(Lse[bi, mi, h0:h0 + BH], lse)
+            T.copy(Delta[bi, mi, h0:h0 + BH], delta)
+            T.clear(acc_dq)
+
+            for it in T.Pipelined(NI, num_stages=0):
+                for t in T.Parallel(BI):
+                    valid[t] = Idx[bi, mi, it * BI + t] >= 0
+                for t, d in T.Parallel(BI, D):
+                    kv_s[t, d] = KV[bi, T.max(Idx[bi, mi, it * BI + t], 0), d]
+                for h, t in T.Parallel(BH, BI):
+                    acc_p[h, t] = T.if_then_else(valid[t], 0, -T.infinity(F32))
+                T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                for h, t in T.Parallel(BH, BI):
+                    acc_p[h, t] = T.exp2(acc_p[h, t] * c - lse[h])
+                for h, t in T.Parallel(BH, BI):
+                    acc_dp[h, t] = acc_p[h, t] * (acc_dp[h, t] - delta[h]) * scale
+                T.copy(acc_p, p_s)
+                T.copy(acc_dp, ds_s)
+                T.gemm(ds_s, kv_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                for s in T.unroll(DS):
+                    T.gemm(ds_s, q_s[:, s * DH:(s + 1) * DH], acc_dkv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                    T.gemm(p_s, do_s[:, s * DH:(s + 1) * DH], acc_dkv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    for t, d in T.Parallel(BI, DH):
+                        T.atomic_add(dKV[bi, T.max(Idx[bi, mi, it * BI + t], 0), s * DH + d], acc_dkv[t, d])
+
+            T.copy(acc_dq, q_s)
+            T.copy(q_s, dQ[bi, mi, h0:h0 + BH, :])
+
+    return compile_kernel(sparse_attn_bwd, out_idx=[7])
 
 
 @functools.lru_cache(maxsize=None)
