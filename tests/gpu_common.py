@@ -1,4 +1,6 @@
-"""Shared helpers of the GPU kernel tests (tests/test_gpu_*.py): device, skip rule, bf16 closeness."""
+"""Shared helpers of the GPU kernel tests (tests/test_gpu_*.py): device, skip rule, bf16 closeness, call recording."""
+import contextlib
+
 import pytest
 import torch
 
@@ -23,3 +25,25 @@ def close_bf16(out, ref, ulps=2):
     tol = ulps * 2.0 ** -8 * (r.abs() + 1e-2 * r.abs().max())
     bad = (o - r).abs() > tol
     return int(bad.sum()), float((o - r).abs().max())
+
+
+@contextlib.contextmanager
+def record_kernel_calls(names, per_op):
+    """Record the first ``per_op`` calls of each kernel op in ``names`` made through ``functional_dsv41.kernels``
+    while the block runs: yields {op: [(args, kwargs without impl, output), ...]}; the ops are restored after."""
+    calls, real = {}, {n: getattr(K, n) for n in names}
+
+    def recorder(name):
+        def f(*a, **k):
+            out = real[name](*a, **k)
+            if len(calls.setdefault(name, [])) < per_op:
+                calls[name].append((a, {n: v for n, v in k.items() if n != "impl"}, out))
+            return out
+        return f
+    try:
+        for n in names:
+            setattr(K, n, recorder(n))
+        yield calls
+    finally:
+        for n in names:
+            setattr(K, n, real[n])

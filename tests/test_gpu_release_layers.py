@@ -22,7 +22,7 @@ from functional_dsv41.state import SharedAttention
 
 from benchmarks.release_layers import release_layers_cfg
 from conftest import cosine_diff
-from gpu_common import need_tilelang
+from gpu_common import need_tilelang, record_kernel_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -37,24 +37,9 @@ def model():
     params = fd.init_params(cfg, seed=0, device="cuda", draw_on_device=True)
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (1, SEQ), device="cuda", generator=g)
-    calls, real = {}, {n: getattr(kernels, n) for n in kernels.OPS}
-
-    def recorder(name):
-        def f(*a, **k):
-            out = real[name](*a, **k)
-            if len(calls.setdefault(name, [])) < PER_OP:
-                calls[name].append((a, {n: v for n, v in k.items() if n != "impl"}, out))
-            return out
-        return f
     dbg = {}
-    try:
-        for n in kernels.OPS:
-            setattr(kernels, n, recorder(n))
-        with torch.no_grad():
-            out = fd.forward(params, {"input_ids": ids}, cfg=cfg, impl="torch", return_hidden=True, debug=dbg)
-    finally:
-        for n in kernels.OPS:
-            setattr(kernels, n, real[n])
+    with record_kernel_calls(kernels.OPS, PER_OP) as calls, torch.no_grad():
+        out = fd.forward(params, {"input_ids": ids}, cfg=cfg, impl="torch", return_hidden=True, debug=dbg)
     return cfg, params, ids, out, dbg, calls
 
 

@@ -19,6 +19,7 @@ from functional_dsv41.train import step as S
 from functional_dsv41.train import tokenizer as T
 
 from conftest import cosine_diff
+from gpu_common import need_tilelang, record_kernel_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -134,32 +135,17 @@ def test_train_config_ops_forward_and_backward_match_torch(setup):
     on fp32 inputs), next to the bf16 torch reference's own distance to it. Pass: cosine diff < 1e-4 or no more
     than 1.5x the bf16 reference's (as tests/test_gpu_sparse_attn.py); isolates which kernel, if any, makes the
     whole-model comparison above differ."""
-    need = __import__("gpu_common").need_tilelang
-    need()
+    need_tilelang()
     cfg, tr, fr, batch = setup
     params = S.assemble(tr, fr, S.compute_dtypes(cfg, tr))
-    calls, real = {}, {n: getattr(kernels, n) for n in DIFF_ARGS}
-
-    def recorder(name):
-        def f(*a, **k):
-            if len(calls.setdefault(name, [])) < 4:
-                calls[name].append((a, {n: v for n, v in k.items() if n != "impl"}))
-            return real[name](*a, **k)
-        return f
-    try:
-        for n in DIFF_ARGS:
-            setattr(kernels, n, recorder(n))
-        with torch.no_grad():
-            fd.forward(params, {"input_ids": batch["input_ids"], "positions": batch["positions"]}, cfg=cfg,
-                       impl="torch", mode="dequant", qdq=False)
-    finally:
-        for n in DIFF_ARGS:
-            setattr(kernels, n, real[n])
+    with record_kernel_calls(tuple(DIFF_ARGS), 4) as calls, torch.no_grad():
+        fd.forward(params, {"input_ids": batch["input_ids"], "positions": batch["positions"]}, cfg=cfg,
+                   impl="torch", mode="dequant", qdq=False)
     assert set(calls) == set(DIFF_ARGS), set(calls)
     gen = torch.Generator(device="cuda").manual_seed(5)
     bad, lines = [], []
     for name, recs in calls.items():
-        for i, (a, k) in enumerate(recs):
+        for i, (a, k, _) in enumerate(recs):
             def run(impl, to32):
                 args = [x.detach().float().requires_grad_(True) if (j in DIFF_ARGS[name] and to32) else
                         x.detach().clone().requires_grad_(True) if j in DIFF_ARGS[name] else x
