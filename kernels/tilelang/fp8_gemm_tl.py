@@ -88,6 +88,44 @@ def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
     return compile_kernel(fp8_gemm, out_idx=[4])
 
 
+def _stage_macros(W: int, BM: int, BN: int, BK: int, SB: int, stages: int, cluster: int = 1):
+    """The warp-specialised kernels' shared steps, as macros.
+
+    ``load(it, k, bx, by, ...)``: the producer's ring position ``it`` (stage it % stages): wait for the stage's
+    release, TMA-load A [BM, BK], B [BN, BK] of K tile k and their fp32 scales (``cluster`` 2: A and its
+    scales multicast by rank 0 into both CTAs of the pair), arrive on ``full``.
+    ``promote(w, s, kk, tmp, acc, sp, sa, sb)``: consumer w (rows [W w, W w + W)) adds its 32-deep slice kk
+    of stage s into acc with the product of the two power-of-two scales (one FFMA per element)."""
+    NC = BN // 32
+
+    @T.macro
+    def promote(w, s, kk, tmp, acc, sp, sa, sb):
+        for i, c in T.Parallel(W, NC):
+            sp[i, c] = sa[s, w * W + i, kk] * sb[s, c * 32, kk]
+        for i, j in T.Parallel(W, BN):
+            acc[i, j] += tmp[i, j] * sp[i, j // 32]
+
+    @T.macro
+    def load(it, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs):
+        s = it % stages
+        T.barrier_wait(empty[s], ((it // stages) % 2) ^ 1)
+        if cluster == 1:
+            T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
+            T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
+            T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
+            T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
+        else:                                           # A, sa: rank 0 multicasts to both; B, sb: own
+            T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s],
+                       cluster_mask=0b11)
+            T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
+            T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s],
+                       cluster_mask=0b11)
+            T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
+        T.barrier_arrive(full[s])
+
+    return promote, load
+
+
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 2, swizzle: int = 8,
                              nreg: tuple = (240, 24)):
@@ -119,6 +157,8 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     if smem > SMEM_MAX:
         raise ValueError(f"fp8_gemm ping-pong: shared memory {smem} B over {SMEM_MAX}")
 
+    promote, load = _stage_macros(HALF, BM, BN, BK, SB, stages)
+
     @T.macro
     def consumer(w, acc, tmp, sp, a_s, b_s, sa, sb, c_s, full, empty, turn, done, C, bx, by):
         T.clear(acc)
@@ -136,10 +176,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
                              b_s[s, :, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(0)
                 T.barrier_arrive(turn[1 - w])           # hand the tensor core over, then promote
-                for i, c in T.Parallel(HALF, NC):
-                    sp[i, c] = sa[s, w * HALF + i, kk] * sb[s, c * 32, kk]
-                for i, j in T.Parallel(HALF, BN):
-                    acc[i, j] += tmp[i, j] * sp[i, j // 32]
+                promote(w, s, kk, tmp, acc, sp, sa, sb)
             T.barrier_arrive(empty[s])
         # both consumers are past their last read of the stages before either writes its output tile
         # (the shared-memory planner may overlay the tiles on the stages)
@@ -185,13 +222,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
             else:
                 T.set_max_nreg(nreg[1], 0)
                 for k in T.serial(NK):
-                    s = k % stages
-                    T.barrier_wait(empty[s], ((k // stages) % 2) ^ 1)
-                    T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
-                    T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
-                    T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
-                    T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
-                    T.barrier_arrive(full[s])
+                    load(k, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs)
 
     return compile_kernel(fp8_gemm_pingpong, out_idx=[4])
 
@@ -271,12 +302,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
     if ring + (BM * BN * 2 if store == "smem" else 0) > SMEM_MAX or (persistent and store == "smem"):
         raise ValueError(f"fp8_gemm ws: shared memory {ring} B (+ staging, store={store}) over {SMEM_MAX}")
 
-    @T.macro
-    def promote(w, s, kk, tmp, acc, sp, sa, sb):
-        for i, c in T.Parallel(W, NC):
-            sp[i, c] = sa[s, w * W + i, kk] * sb[s, c * 32, kk]
-        for i, j in T.Parallel(W, BN):
-            acc[i, j] += tmp[i, j] * sp[i, j // 32]
+    promote, load = _stage_macros(W, BM, BN, BK, SB, stages, cluster)
 
     @T.macro
     def issue(w, s, kk, tmp, a_s, b_s):
@@ -375,24 +401,6 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
                 T.copy(c_s, C[by * BM + w * W, bx * BN])
             else:
                 T.copy(acc, C[by * BM + w * W, bx * BN])
-
-    @T.macro
-    def load(it, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs):
-        s = it % stages
-        T.barrier_wait(empty[s], ((it // stages) % 2) ^ 1)
-        if cluster == 1:
-            T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s])
-            T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
-            T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s])
-            T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
-        else:                                           # A, sa: rank 0 multicasts to both; B, sb: own
-            T.tma_copy(A[by * BM:(by + 1) * BM, k * BK:(k + 1) * BK], a_s[s, :, :], barrier=full[s],
-                       cluster_mask=0b11)
-            T.tma_copy(Bm[bx * BN:(bx + 1) * BN, k * BK:(k + 1) * BK], b_s[s, :, :], barrier=full[s])
-            T.tma_copy(As[by * BM:(by + 1) * BM, k * SB:(k + 1) * SB], sa[s, :, :], barrier=full[s],
-                       cluster_mask=0b11)
-            T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
-        T.barrier_arrive(full[s])
 
     @T.macro
     def producer(a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs, bx, by):
