@@ -214,14 +214,17 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
 # fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
 # args.gemm_cfgs: 3 consumers x BN=128 (stages 3 / 4 / 5; 4-5 store C from registers), 2 consumers with two
 # temporaries (BK 128 / 256), 2 consumers at BN=192 (the ping-pong without turns), 3 consumers at BN=96 with two
-# temporaries, 3 consumers at BK=256 (2 stages), and the persistent variants (132 CTAs = the H200's SMs).
+# temporaries, 3 consumers at BK=256 (2 stages), the persistent variants (132 CTAs = the H200's SMs), and 2-CTA
+# clusters multicasting A (run 17: 585 at 5120x5120, the only shape measured then).
 FP8_WS_CFGS = [dict(kernel="ws"), dict(kernel="ws", store="direct"), dict(kernel="ws", stages=4),
                dict(kernel="ws", stages=5), dict(kernel="ws", stages=4, persistent=132),
                dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
                dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), BK=256),
                dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4, persistent=132),
                dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
-               dict(kernel="ws", BN=96, double_tmp=True, stages=4), dict(kernel="ws", BK=256, stages=2)]
+               dict(kernel="ws", BN=96, double_tmp=True, stages=4), dict(kernel="ws", BK=256, stages=2),
+               dict(kernel="ws", cluster=2), dict(kernel="ws", cluster=2, stages=4),
+               dict(kernel="ws", consumers=2, BN=128, nreg=(240, 24), cluster=2, stages=4)]
 
 
 def gemms(results, args):

@@ -77,6 +77,26 @@ def test_sparse_attn_fwd(shape):
     assert nbad <= o.numel() * 1e-4, (nbad, mx)
 
 
+@pytest.mark.parametrize("H", [16, 64])
+def test_sparse_attn_fwd_lockstep_no_reduction_race(H):
+    """The lock-step kernel's cross-warp softmax sums share shared memory with P (TileLang places the
+    reduction workspace on p_s); without the barrier before P's store a fast warp overwrote partial sums a
+    slow one still read, and the output went wrong at random (run 19: cosine diff 7e-3 at the train model's
+    window-only layer, T = 16). Many launches over fresh inputs at that shape, every one within bf16 noise."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    B, M, D, N, T = 2, 128, 128, 128, 16
+    worst = 0.0
+    for seed in range(24):
+        q, kv, sink, idx = _attn_inputs(B, M, H, D, N, T, seed=100 + seed, empty_row=False)
+        o, _ = sa._fwd(q, kv, sink, idx, D ** -0.5, impl="lockstep")
+        ref = K.sparse_attn(q, kv, sink, idx, D ** -0.5, impl="torch")
+        worst = max(worst, cosine_diff(o, ref))
+        nbad, mx = _close_bf16(o, ref)
+        assert nbad <= o.numel() * 1e-4, (seed, nbad, mx)
+    assert worst < 1e-4, worst
+
+
 def test_sparse_attn_fwd_release():
     _need_tilelang()
     q, kv, sink, _, idx = _release_inputs(1, idx_seed=0)

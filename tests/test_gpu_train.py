@@ -190,3 +190,42 @@ def test_training_steps_on_tilelang_lower_the_loss(setup, counts):
     print("losses:", [f"{x:.3f}" for x in losses], counts)
     assert counts["sparse_attn.bwd"] >= 12
     assert losses[-1] < losses[0] * 0.7, losses
+
+
+def test_each_tilelang_op_alone_in_a_training_step(setup, monkeypatch):
+    """Bisection of the whole-model comparison above: ``impl="auto"`` with only ONE op on TileLang at a time
+    (every other op's TileLang entry replaced by its torch reference), on the smooth model. Each op alone must keep
+    the CE and the gradients within the same bounds as the whole-model test; the printed table says which op (if
+    any) carries the difference."""
+    need_tilelang()
+    import functional_dsv41.kernels.tilelang as tl
+    from functional_dsv41.kernels import reference
+    cfg, tr, fr, batch = setup
+    _, p_ref, g_ref = _loss_and_grads(cfg, tr, fr, batch, "torch", qdq=False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tr_n = {k: v * (1 + 2.0 ** -12 * (2 * torch.randint(0, 2, v.shape, device=v.device, generator=gen) - 1))
+            if v.is_floating_point() else v for k, v in tr.items()}
+    _, p_n, g_n = _loss_and_grads(cfg, tr_n, fr, batch, "torch", qdq=False)
+    G_ref = _flat(g_ref)
+    floor_ce = abs(float(p_n["ce"]) - float(p_ref["ce"]))
+    floor_g = cosine_diff(_flat(g_n).cpu(), G_ref.cpu())
+    rows, bad = [], []
+    for only in kernels.OPS:
+        if getattr(tl, only, None) is None:
+            continue
+        with monkeypatch.context() as m:
+            for name in kernels.OPS:
+                if name != only and getattr(tl, name, None) is not None:
+                    m.setattr(tl, name, getattr(reference, name))
+            kernels._tilelang_op.cache_clear()
+            _, p, g = _loss_and_grads(cfg, tr, fr, batch, "auto", qdq=False)
+        kernels._tilelang_op.cache_clear()
+        d_ce = abs(float(p["ce"]) - float(p_ref["ce"]))
+        d_kl = abs(float(p["indexer_kl"]) - float(p_ref["indexer_kl"]))
+        c_g = cosine_diff(_flat(g).cpu(), G_ref.cpu())
+        rows.append(f"{only}: CE {d_ce:.2e} ({d_ce / max(floor_ce, 1e-12):.1f}x), KL {d_kl:.2e}, "
+                    f"grads {c_g:.2e} ({c_g / max(floor_g, 1e-12):.1f}x)")
+        if d_ce > max(4 * floor_ce, 2e-3 * abs(float(p_ref["ce"]))) or c_g > 4 * floor_g + 1e-6:
+            bad.append(rows[-1])
+    print(f"noise floor: CE {floor_ce:.2e}, grads {floor_g:.2e}\n  " + "\n  ".join(rows))
+    assert not bad, bad

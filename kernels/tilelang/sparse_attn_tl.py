@@ -106,6 +106,11 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
                     l[h] = l[h] * alpha[h] + l_blk[h]
                 for h, d in T.Parallel(BH, D):
                     acc_o[h, d] *= alpha[h]
+                # TileLang 0.1.15 places the cross-warp reductions' workspace on p_s (their live ranges do
+                # not overlap) but ends the reduction without a barrier: a warp that reaches this store
+                # while another still reads the last partial sums corrupts l (run 19: 7e-3 cosine diff
+                # at 16 heads, data-dependent). The barrier orders the reads before the store.
+                T.sync_threads()
                 T.copy(acc_s, p_s)
                 T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
