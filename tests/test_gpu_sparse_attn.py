@@ -382,3 +382,16 @@ def test_sparse_attn_bwd_split_empty_row(split_bwd):
     split_bwd.BWD_IMPL = "atomic"
     _, _, _, ds_a = _grads("tilelang", q, kv, sink, idx, scale, do)
     assert torch.equal(ds, ds_a)
+
+
+def test_reduction_workspace_alias_is_refused():
+    """The compile-time guard behind the barrier above: generated CUDA whose reduction workspace starts on one of
+    the kernel's buffers is refused unless the kernel says it was checked; separate offsets pass."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang._common import check_reduction_workspace
+    decl = "  void* {} = ((void*)((char*)buf_dyn_shmem + {}));\n"
+    head = "extern \"C\" __global__ void __launch_bounds__(256, 1) k_kernel(int* X) {\n"
+    clash = head + decl.format("q_s", 0) + decl.format("p_s", 4096) + decl.format("workspace", 4096)
+    with pytest.raises(RuntimeError, match=r"k_kernel.*\['p_s'\]"):
+        check_reduction_workspace(clash)
+    check_reduction_workspace(head + decl.format("p_s", 4096) + decl.format("workspace", 8192))

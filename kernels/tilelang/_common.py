@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 import tilelang
 import torch
@@ -30,10 +31,37 @@ PASS_CFG = {
 }
 
 
-def compile_kernel(func, out_idx=None, pass_configs=None):
+def compile_kernel(func, out_idx=None, pass_configs=None, workspace_alias_ok: bool = False):
+    """tilelang.compile with our target and pass configs, then ``check_reduction_workspace``.
+    ``workspace_alias_ok``: the kernel's author has checked (and barriered) every store into a buffer that
+    shares its shared memory with a cross-warp reduction's workspace."""
     cfg = dict(PASS_CFG)
     cfg.update(pass_configs or {})
-    return tilelang.compile(func, out_idx=out_idx, target=target(), pass_configs=cfg)
+    kernel = tilelang.compile(func, out_idx=out_idx, target=target(), pass_configs=cfg)
+    if not workspace_alias_ok:
+        check_reduction_workspace(kernel.get_kernel_source())
+    return kernel
+
+
+_SMEM_BUF = re.compile(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);")
+
+
+def check_reduction_workspace(cuda_source: str) -> None:
+    """Refuse generated CUDA in which a cross-warp reduction's shared workspace (``workspace*``, used by
+    ``tl::AllReduce`` over more than 32 threads) starts at the same shared-memory offset as one of the kernel's
+    own buffers. TileLang 0.1.15 lets the two share memory when their live ranges do not overlap, but the
+    reduction ends without a barrier: a warp that finishes it and stores into the other buffer can overwrite
+    partial results a slower warp still reads (a data-dependent wrong answer: the lock-step sparse attention's
+    P store, H200 run 19). Such a kernel needs a barrier before that store and ``workspace_alias_ok=True``."""
+    bufs = _SMEM_BUF.findall(cuda_source)
+    work = {int(o) for n, o in bufs if n.startswith("workspace")}
+    clash = sorted(n for n, o in bufs if not n.startswith("workspace") and int(o) in work)
+    if clash:
+        m = re.search(r"__launch_bounds__\(\d+(?:, \d+)?\) (\w+)", cuda_source)
+        raise RuntimeError(f"TileLang kernel {m.group(1) if m else '?'}: a reduction workspace shares shared "
+                           f"memory with {clash}; the reduction ends without a barrier, so a store into "
+                           f"{clash} can race with it. Add T.sync_threads() before that store and pass "
+                           f"workspace_alias_ok=True (kernels/tilelang/_common.py).")
 
 
 @functools.lru_cache(maxsize=None)

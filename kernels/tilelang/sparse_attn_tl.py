@@ -124,7 +124,7 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
             T.copy(q_s, O[bi, mi, h0:h0 + BH, :])
             T.copy(l_blk, Lse[bi, mi, h0:h0 + BH])
 
-    return compile_kernel(sparse_attn_fwd, out_idx=[4, 5])
+    return compile_kernel(sparse_attn_fwd, out_idx=[4, 5], workspace_alias_ok=True)   # barrier above
 
 
 def _ws_gather(H: int, BI: int, CPR: int):
