@@ -98,3 +98,20 @@ def test_fp4_act_quant_golden():
         p, s = K.fp4_act_quant(x, bs, sdt, impl="tilelang")
         assert torch.equal(_bytes(p).cpu(), _bytes(gd[key]))
         assert torch.equal(_bytes(s).cpu(), _bytes(gd[f"fp4_act_quant.{name}.s"]))
+
+
+@pytest.mark.parametrize("rep,rows", [(1, None), (32, 70), (32, 8192)])
+def test_e8m0_expand_bit_exact(rep, rows):
+    """The GEMMs' scale operand kernel against Q.e8m0_to_float on every e8m0 byte (0: subnormal 2^-127,
+    255: inf), each row repeated ``rep`` times and cut to ``rows`` (B's 32-row blocks per output column)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang._gemm import scales_f32
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s = torch.randint(0, 256, (256, 160), device="cuda", generator=g, dtype=torch.uint8)
+    s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
+    s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
+    s = s.view(Q.E8M0)
+    out = scales_f32(s, rep=rep, rows=rows)
+    ref = Q.e8m0_to_float(s).repeat_interleave(rep, 0)[: (256 * rep if rows is None else rows)]
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(out.view(torch.int32), ref.contiguous().view(torch.int32))

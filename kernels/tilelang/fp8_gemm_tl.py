@@ -38,7 +38,7 @@ import tilelang.language as T
 from functional_dsv41 import quant
 
 from ._common import compile_kernel, register_pool_per_row, sm_count
-from ._gemm import promote_loop
+from ._gemm import promote_loop, scales_f32
 
 SMEM_MAX = 227 * 1024 - 1024          # dynamic shared memory per CTA (H100/H200), minus barriers
 
@@ -477,13 +477,14 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
 
 
 def _scales(s: torch.Tensor) -> torch.Tensor:
-    return (quant.e8m0_to_float(s) if s.dtype == quant.E8M0 else s.float()).contiguous()
+    """e8m0 / fp32 scales [..., K/32] -> fp32 [rows, K/32] (one launch: ``_gemm.scales_f32``)."""
+    return scales_f32(s)
 
 
 def _col_scales(b_s: torch.Tensor, N: int) -> torch.Tensor:
     """[ceil(N/32), K/32] block scales -> fp32 [N, K/32] per output column (a TMA tile of it is
     >= 128 bytes per pipeline stage; the [BN/32, 4] block tile is 64 bytes, which TMA refuses)."""
-    return _scales(b_s).repeat_interleave(32, 0)[:N].contiguous()
+    return scales_f32(b_s, rep=32, rows=N)
 
 
 def _pick_bk(K: int) -> int:
