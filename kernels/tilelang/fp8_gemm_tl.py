@@ -22,13 +22,13 @@ structure without the promotion.
 
 Measured (H200, TFLOP/s at 4096x{5120x5120, 2304x5120, 5120x2304}): the ping-pong at BN=192, 2 stages 570 /
 579 / 517 (run 14; the default); the pipelined loop 548 / 544 / 513; ws, 3 consumers 536 / 512 / 506 and no
-variant above the ping-pong (run 14); ws with ``cluster=2``, 3 consumers: 585 at 5120x5120 (run 17, the only
-shape measured). Where the time goes (runs 16-17): a PLAIN fp8 GEMM in these structures (``diag="no_wait"``)
+variant above the ping-pong (run 14); ws with ``cluster=2``, 3 consumers: 585 at 5120x5120 (run 17), then 572 /
+566 / 515 at the three shapes (run 20): within run-to-run spread of the ping-pong, which stays the default. Where the time goes (runs 16-17): a PLAIN fp8 GEMM in these structures (``diag="no_wait"``)
 stops at 546 (192x128 tiles) / 671 (128x192), and 657 with the multicast; Nsight Compute puts the 3-consumer
 kernel at 73% of the L2's throughput and the ping-pong at half its issue slots with 0.65 eligible warps per
 scheduler. So the limits are, in order: L2 traffic per flop (a tile pair's operands), latency between the
-consumers' WGMMAs, and the promotion (15% of the ping-pong's time). Next: multicast B too (2x2 clusters) and
-measure ``cluster=2`` at every shape before making it the default.
+consumers' WGMMAs, and the promotion (15% of the ping-pong's time). Next: a 128x256 tile (two consumers of 64x256,
+promoting each n128 half from one 64-register temporary) to cut L2 traffic per flop, which no structure here has.
 """
 import functools
 
