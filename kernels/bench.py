@@ -285,6 +285,71 @@ def gemm_diag(results, args):
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+def gemm_wrapper(results, args):
+    """What the fp8 GEMM's Python wrapper adds to the kernel, at the release's 5120-deep shapes from prefill (4096
+    rows) down to decode (16 and 1 rows): the kernel alone, the two fp32 scale operands (A's e8m0 scales, B's
+    32x32 block scales expanded per column) built the old way (torch ops) and the current way (one
+    ``_gemm.e8m0_expand_kernel`` launch each), and ``fp8_gemm`` end to end."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for M, N, K in [(4096, 5120, 5120), (16, 5120, 5120), (1, 2304, 5120)]:
+        print(f"-- fp8 GEMM wrapper M={M} N={N} K={K}", flush=True)
+        a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+        k = fg.fp8_gemm_pingpong_kernel(N, K)
+        fl = 2 * M * N * K
+        results.append(row(f"M={M}: kernel only", bench(lambda: k(a, sa, b, sb)), fl))
+        results.append(row(f"M={M}: A scales, torch ops (before run 22)",
+                           bench(lambda: Q.e8m0_to_float(a_s).contiguous())))
+        results.append(row(f"M={M}: B scales, torch ops (before run 22)",
+                           bench(lambda: Q.e8m0_to_float(b_s).repeat_interleave(32, 0)[:N].contiguous())))
+        results.append(row(f"M={M}: A scales, e8m0_expand_kernel", bench(lambda: fg._scales(a_s))))
+        results.append(row(f"M={M}: B scales, e8m0_expand_kernel", bench(lambda: fg._col_scales(b_s, N))))
+        results.append(row(f"M={M}: fp8_gemm end to end", bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl))
+
+
+# Small-M (decode) fp8 GEMM candidates: 64-row tiles (one consumer warpgroup) and narrow N tiles, so that a
+# 5120-wide output spreads over more of the 132 SMs than the default's 27 CTAs (N / 192).
+GEMM_SMALL_CFGS = [dict(kernel="loop", BM=64, BN=64, threads=128, stages=4),
+                   dict(kernel="loop", BM=64, BN=128, threads=128, stages=4),
+                   dict(kernel="loop", BM=64, BN=32, threads=128, stages=6)]
+
+
+def gemm_small(results, args):
+    """fp8 GEMM at decode sizes (M = 1, 16, 64; K = 5120): the default against GEMM_SMALL_CFGS. These shapes are
+    bound by reading B (N x K fp8 bytes), so GB/s counts B's bytes and the note gives the cosine difference
+    from the default kernel's output."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for N in (5120, 2304):
+        K = 5120
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        sb = fg._col_scales(b_s, N)
+        wb = torch.randn(N, K, device="cuda").bfloat16()
+        for M in (1, 16, 64):
+            print(f"-- fp8 GEMM, decode size M={M} N={N} K={K}", flush=True)
+            a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+            sa = fg._scales(a_s)
+            fl, by = 2 * M * N * K, N * K
+            k0 = fg.fp8_gemm_pingpong_kernel(N, K)
+            ref = k0(a, sa, b, sb).float()
+            results.append(row(f"M={M} default (ping-pong BN=192)", bench(lambda: k0(a, sa, b, sb)), fl, by))
+            for cfg in GEMM_SMALL_CFGS:
+                kc = dict(cfg)
+                kc.pop("kernel")
+                name = f"M={M} loop {json.dumps(kc, separators=(',', ':'))}"
+                try:
+                    k = fg.fp8_gemm_kernel(N, K, **kc)
+                    out = k(a, sa, b, sb).float()
+                    cd = float(1 - torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
+                    results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by, note=f"cos diff {cd:.1e}"))
+                except Exception as e:
+                    print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            xb = torch.randn(M, K, device="cuda").bfloat16()
+            results.append(row(f"M={M} peer: bf16 matmul (torch, 2x the bytes)", bench(lambda: xb @ wb.t()), fl, 2 * by))
+
+
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages
 # (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
 # 508). fp4 default: the loop at BN=192 (294 / 279).
@@ -550,6 +615,8 @@ SECTIONS = {
     "attnbwd": attention_bwd,
     "gemm": gemms,
     "gemmdiag": gemm_diag,
+    "gemmwrap": gemm_wrapper,
+    "gemmsmall": gemm_small,
     "fp4gemm": fp4_gemms,
     "quant": quantizers,
     "fp4hc": fp4_hc,

@@ -4,7 +4,9 @@
 # (shared-memory hazards between threads: the class of run 19's lock-step attention bug) and synccheck (invalid
 # barrier use). One small configuration of every TileLang kernel family; the sanitizer slows kernels 10-100x.
 #   bash scripts/sanitize_kernels.sh [memcheck racecheck synccheck]      (default: all three)
-# Prints each tool's summary; exits non-zero if any tool reported an error.
+# Prints each tool's summary; exits non-zero if any tool reported an error. PyTorch's caching allocator is off
+# (PYTORCH_NO_CUDA_MEMORY_CACHING=1): each tensor is its own allocation, so memcheck sees a write past a kernel's
+# output that would otherwise land silently in a neighbouring tensor of the same pool.
 set -u
 CS=${CS:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 TESTS=(
@@ -34,7 +36,7 @@ TOOLS=("$@"); [ ${#TOOLS[@]} -eq 0 ] && TOOLS=(memcheck racecheck synccheck)
 fail=0
 for tool in "${TOOLS[@]}"; do
   echo "== compute-sanitizer --tool $tool"
-  "$CS" --tool "$tool" --print-limit 20 --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" --print-limit 20 --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 \
     | grep -v "DeprecationWarning\|deprecated_warning" | tail -40
   rc=${PIPESTATUS[0]}
   echo "== $tool exit code $rc"

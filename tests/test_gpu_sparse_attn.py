@@ -395,3 +395,26 @@ def test_reduction_workspace_alias_is_refused():
     with pytest.raises(RuntimeError, match=r"k_kernel.*\['p_s'\]"):
         check_reduction_workspace(clash)
     check_reduction_workspace(head + decl.format("p_s", 4096) + decl.format("workspace", 8192))
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16, 64, 90, 70), (2, 128, 16, 128, 192, 144), (1, 48, 64, 512, 400, 640)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_bwd_split_dsink_inputs(shape, split_bwd):
+    """dsink = -sum_{b,m} exp2(sink log2e - lse) * Delta is formed in torch after the dq and dkv kernels ran:
+    over 20 draws, those kernels leave the forward's o and lse untouched, Delta equals sum(o * dO) of the bf16
+    output, and dsink equals that formula (run 21 saw one draw under memcheck with dsink 10x the bf16 reference's
+    error; runs 22-24 found o, lse, Delta and dsink right in ~350 draws, plain and under memcheck)."""
+    from functional_dsv41.kernels.tilelang.sparse_attn_bwd_tl import bwd_split
+    B, M, H, D, N, T = shape
+    for s in range(20):
+        q, kv, sink, idx = _attn_inputs(*shape, seed=1000 + s, empty_row=False)
+        do = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(s)).bfloat16()
+        o, lse = split_bwd._fwd(q, kv, sink, idx, D ** -0.5)
+        lse0, o0 = lse.clone(), o.clone()
+        parts = {}
+        _, _, ds = bwd_split(q, kv, sink, idx, o, lse, do, D ** -0.5, parts=parts)
+        assert torch.equal(lse, lse0) and torch.equal(o, o0), s
+        delta = (o0.float() * do.float()).sum(-1)
+        assert torch.allclose(parts["delta"], delta, rtol=1e-5, atol=1e-5), s
+        ds_ref = -(torch.exp2(sink.float() * 1.4426950408889634 - lse0) * delta).sum((0, 1))
+        assert torch.allclose(ds.float(), ds_ref, rtol=1e-4, atol=1e-5), (s, ds, ds_ref)
