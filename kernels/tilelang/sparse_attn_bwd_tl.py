@@ -49,7 +49,7 @@ import tilelang.language as T
 import torch
 
 from ._common import LOG2E, compile_kernel
-from .sparse_attn_tl import _head_block, _pad_idx
+from .sparse_attn_tl import _gather_masked, _head_block, _pad_idx
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
 
@@ -94,6 +94,7 @@ def bwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, DS: int = 4,
     NI = TP // BI
     c = float(scale) * LOG2E
     DH = D // DS
+    gather = _gather_masked(BH, BI, D)
 
     @T.prim_func
     def sparse_attn_bwd(
@@ -128,12 +129,7 @@ def bwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, DS: int = 4,
             T.clear(acc_dq)
 
             for it in T.Pipelined(NI, num_stages=0):
-                for t in T.Parallel(BI):
-                    valid[t] = Idx[bi, mi, it * BI + t] >= 0
-                for t, d in T.Parallel(BI, D):
-                    kv_s[t, d] = KV[bi, T.max(Idx[bi, mi, it * BI + t], 0), d]
-                for h, t in T.Parallel(BH, BI):
-                    acc_p[h, t] = T.if_then_else(valid[t], 0, -T.infinity(F32))
+                gather(KV, Idx, bi, mi, it, kv_s, valid, acc_p)
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
                 for h, t in T.Parallel(BH, BI):
@@ -168,6 +164,7 @@ def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int =
     BH = _head_block(H)
     NI = TP // BI
     c = float(scale) * LOG2E
+    gather = _gather_masked(BH, BI, D)
 
     @T.prim_func
     def sparse_attn_bwd_dq(
@@ -202,12 +199,7 @@ def dq_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int =
             T.clear(acc_dq)
 
             for it in T.Pipelined(NI, num_stages=stages):
-                for t in T.Parallel(BI):
-                    valid[t] = Idx[bi, mi, it * BI + t] >= 0
-                for t, d in T.Parallel(BI, D):
-                    kv_s[t, d] = KV[bi, T.max(Idx[bi, mi, it * BI + t], 0), d]
-                for h, t in T.Parallel(BH, BI):
-                    acc_p[h, t] = T.if_then_else(valid[t], 0, -T.infinity(F32))
+                gather(KV, Idx, bi, mi, it, kv_s, valid, acc_p)
                 T.gemm(q_s, kv_s, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(do_s, kv_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
                 for h, t in T.Parallel(BH, BI):

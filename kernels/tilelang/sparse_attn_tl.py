@@ -51,6 +51,23 @@ def _head_block(H: int) -> int:
     return bh
 
 
+def _gather_masked(BH: int, BI: int, D: int):
+    """The lock-step kernels' step over index block ``it`` (forward, atomic backward, dq kernel): ``valid[t]``
+    = slot t is not a hole, ``kv_s`` = the block's BI KV rows (row max(idx, 0): a hole gathers row 0), and the
+    score accumulator ``acc`` [BH, BI] starts at 0 for a real slot and -inf for a hole (the QK GEMM adds to it)."""
+
+    @T.macro
+    def gather(KV, Idx, bi, mi, it, kv_s, valid, acc):
+        for t in T.Parallel(BI):
+            valid[t] = Idx[bi, mi, it * BI + t] >= 0
+        for t, d in T.Parallel(BI, D):
+            kv_s[t, d] = KV[bi, T.max(Idx[bi, mi, it * BI + t], 0), d]
+        for h, t in T.Parallel(BH, BI):
+            acc[h, t] = T.if_then_else(valid[t], 0, -T.infinity(F32))
+
+    return gather
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, threads: int = 256):
     """o, lse = fwd(q, kv, sink, idx); TP (index slots) a multiple of BI."""
@@ -58,6 +75,7 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
     BH = _head_block(H)
     NI = TP // BI
     c = float(scale) * LOG2E
+    gather = _gather_masked(BH, BI, D)
 
     @T.prim_func
     def sparse_attn_fwd(
@@ -88,12 +106,7 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
             T.copy(Q[bi, mi, h0:h0 + BH, :], q_s)
 
             for it in T.Pipelined(NI, num_stages=stages):
-                for t in T.Parallel(BI):
-                    valid[t] = Idx[bi, mi, it * BI + t] >= 0
-                for t, d in T.Parallel(BI, D):
-                    kv_s[t, d] = KV[bi, T.max(Idx[bi, mi, it * BI + t], 0), d]
-                for h, t in T.Parallel(BH, BI):
-                    acc_s[h, t] = T.if_then_else(valid[t], 0, -T.infinity(F32))
+                gather(KV, Idx, bi, mi, it, kv_s, valid, acc_s)
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(m, m_prev)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
