@@ -83,6 +83,17 @@ def _loss_and_grads(cfg, tr, fr, batch, impl, qdq=True):
     return total, parts, grads
 
 
+def _torch_and_noise_floor(cfg, tr, fr, batch):
+    """The torch reference's loss parts and gradients on the smooth model, and the same after every trainable
+    weight moved by a random +-2^-12 (the noise floor the TileLang run is measured against)."""
+    _, p_ref, g_ref = _loss_and_grads(cfg, tr, fr, batch, "torch", qdq=False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tr_n = {k: v * (1 + 2.0 ** -12 * (2 * torch.randint(0, 2, v.shape, device=v.device, generator=gen) - 1))
+            if v.is_floating_point() else v for k, v in tr.items()}
+    _, p_n, g_n = _loss_and_grads(cfg, tr_n, fr, batch, "torch", qdq=False)
+    return p_ref, g_ref, p_n, g_n
+
+
 def _flat(g):
     return torch.cat([v.float().flatten() for _, v in sorted(g.items())])
 
@@ -95,13 +106,9 @@ def test_tilelang_backwards_match_torch_in_a_training_step(setup, counts):
     the H200, TileLang vs torch was 1.0x the floor for the CE, 4.1x for the indexer KL, 3.1x for the gradients).
     A wrong kernel gradient (a missing term, a wrong scale) moves the gradient by far more than the floor."""
     cfg, tr, fr, batch = setup
-    t_ref, p_ref, g_ref = _loss_and_grads(cfg, tr, fr, batch, "torch", qdq=False)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    tr_n = {k: v * (1 + 2.0 ** -12 * (2 * torch.randint(0, 2, v.shape, device=v.device, generator=gen) - 1))
-            if v.is_floating_point() else v for k, v in tr.items()}
-    _, p_n, g_n = _loss_and_grads(cfg, tr_n, fr, batch, "torch", qdq=False)
+    p_ref, g_ref, p_n, g_n = _torch_and_noise_floor(cfg, tr, fr, batch)
     assert all(v == 0 for v in counts.values()), counts
-    t_tl, p_tl, g_tl = _loss_and_grads(cfg, tr, fr, batch, "auto", qdq=False)
+    _, p_tl, g_tl = _loss_and_grads(cfg, tr, fr, batch, "auto", qdq=False)
     print("TileLang calls:", counts)
     for key in ("sparse_attn", "hc_split_sinkhorn", "index_scores", "sparse_attn.bwd", "index_scores.bwd"):
         assert counts[key] > 0, f"{key} never ran on TileLang: {counts}"
@@ -201,11 +208,7 @@ def test_each_tilelang_op_alone_in_a_training_step(setup, monkeypatch):
     import functional_dsv41.kernels.tilelang as tl
     from functional_dsv41.kernels import reference
     cfg, tr, fr, batch = setup
-    _, p_ref, g_ref = _loss_and_grads(cfg, tr, fr, batch, "torch", qdq=False)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    tr_n = {k: v * (1 + 2.0 ** -12 * (2 * torch.randint(0, 2, v.shape, device=v.device, generator=gen) - 1))
-            if v.is_floating_point() else v for k, v in tr.items()}
-    _, p_n, g_n = _loss_and_grads(cfg, tr_n, fr, batch, "torch", qdq=False)
+    p_ref, g_ref, p_n, g_n = _torch_and_noise_floor(cfg, tr, fr, batch)
     G_ref = _flat(g_ref)
     floor_ce = abs(float(p_n["ce"]) - float(p_ref["ce"]))
     floor_g = cosine_diff(_flat(g_n).cpu(), G_ref.cpu())
