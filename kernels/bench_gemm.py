@@ -1,0 +1,190 @@
+"""The block-scaled GEMM sections of ``python -m functional_dsv41.kernels.bench`` (gemm, gemmdiag, gemmwrap,
+gemmsmall, fp4gemm) and the configuration lists they sweep. Conventions: ``bench.py``'s docstring."""
+import json
+
+import torch
+
+from ._bench_common import bench, row
+
+
+# fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
+# args.gemm_cfgs: 3 consumers x BN=128 (stages 3 / 4 / 5; 4-5 store C from registers), 2 consumers with two
+# temporaries (BK 128 / 256), 2 consumers at BN=192 (the ping-pong without turns), 3 consumers at BN=96 with two
+# temporaries, 3 consumers at BK=256 (2 stages), the persistent variants (132 CTAs = the H200's SMs), and 2-CTA
+# clusters multicasting A (run 17: 585 at 5120x5120, the only shape measured then).
+FP8_WS_CFGS = [dict(kernel="ws"), dict(kernel="ws", store="direct"), dict(kernel="ws", stages=4),
+               dict(kernel="ws", stages=5), dict(kernel="ws", stages=4, persistent=132),
+               dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
+               dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), BK=256),
+               dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4, persistent=132),
+               dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
+               dict(kernel="ws", BN=96, double_tmp=True, stages=4), dict(kernel="ws", BK=256, stages=2),
+               dict(kernel="ws", cluster=2), dict(kernel="ws", cluster=2, stages=4),
+               dict(kernel="ws", consumers=2, BN=128, nreg=(240, 24), cluster=2, stages=4)]
+
+
+def gemms(results, args):
+    """fp8 GEMM sweep over args.gemm_cfgs (default first) and FP8_WS_CFGS + the e2e call and the peers."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
+        print(f"-- fp8 GEMM (32-wide e8m0 blocks) M={M} N={N} K={K}: {2 * M * N * K / 1e9:.1f} GFLOP", flush=True)
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        a, a_s = Q.act_quant(x, 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
+        sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+        for cfg in [*args.gemm_cfgs, *FP8_WS_CFGS]:
+            name = f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
+            try:                                   # a failing variant prints its error, the sweep goes on
+                kc = dict(cfg)
+                build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "loop": fg.fp8_gemm_kernel,
+                         "ws": fg.fp8_gemm_ws_kernel}[kc.pop("kernel", "pingpong")]
+                k = build(N, K, **kc)
+                results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by))
+            except Exception as e:
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        results.append(row("fp8_gemm end-to-end (scale conversion incl.)",
+                           bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl, by))
+        sa_r = torch.rand(M, 1, device="cuda") + 0.5
+        sb_r = torch.rand(1, N, device="cuda") + 0.5
+        bt = b.t()
+        results.append(row("peer: torch._scaled_mm rowwise scales",
+                           bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl, by))
+        xb, wb = x, torch.randn(N, K, device="cuda").bfloat16()
+        results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
+
+
+def gemm_diag(results, args):
+    """Where the fp8 GEMM's time goes (4096x5120x5120; WRONG numerics, timing only): the ws kernel as is, with
+    the per-slice wait but no promotion, and with neither (a plain fp8 GEMM in the same structure); then 2-CTA
+    clusters sharing the A tile by TMA multicast (``cluster=2``, correct numerics unless diag), with the plain
+    GEMM's ceiling under multicast (diag="no_wait")."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    M, N, K = 4096, 5120, 5120
+    print(f"-- fp8 GEMM diagnostics M={M} N={N} K={K} (diag rows ignore the scales: timing only)", flush=True)
+    a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+    b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+    sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+    c2 = dict(consumers=2, BN=128, nreg=(240, 24), cluster=2)
+    variants = [(base, diag) for base in (dict(), dict(consumers=2, BN=192, nreg=(240, 24), stages=2))
+                for diag in ("", "no_promote", "no_wait")]
+    variants += [(dict(cluster=2), ""), (dict(cluster=2, stages=4), ""), (dict(cluster=2), "no_wait"),
+                 (c2, ""), (dict(c2, stages=4), ""), (c2, "no_wait")]
+    for base, diag in variants:
+        name = f"fp8_gemm ws {json.dumps(dict(base, diag=diag), separators=(',', ':'))}"
+        try:
+            k = fg.fp8_gemm_ws_kernel(N, K, **base, diag=diag)
+            results.append(row(name, bench(lambda: k(a, sa, b, sb)), 2 * M * N * K))
+        except Exception as e:
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def gemm_wrapper(results, args):
+    """What the fp8 GEMM's Python wrapper adds to the kernel, at the release's 5120-deep shapes from prefill (4096
+    rows) down to decode (16 and 1 rows): the kernel alone, the two fp32 scale operands (A's e8m0 scales, B's
+    32x32 block scales expanded per column) built the old way (torch ops) and the current way (one
+    ``_gemm.e8m0_expand_kernel`` launch each), and ``fp8_gemm`` end to end."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for M, N, K in [(4096, 5120, 5120), (16, 5120, 5120), (1, 2304, 5120)]:
+        print(f"-- fp8 GEMM wrapper M={M} N={N} K={K}", flush=True)
+        a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+        k = fg.fp8_gemm_pingpong_kernel(N, K)
+        fl = 2 * M * N * K
+        results.append(row(f"M={M}: kernel only", bench(lambda: k(a, sa, b, sb)), fl))
+        results.append(row(f"M={M}: A scales, torch ops (before run 22)",
+                           bench(lambda: Q.e8m0_to_float(a_s).contiguous())))
+        results.append(row(f"M={M}: B scales, torch ops (before run 22)",
+                           bench(lambda: Q.e8m0_to_float(b_s).repeat_interleave(32, 0)[:N].contiguous())))
+        results.append(row(f"M={M}: A scales, e8m0_expand_kernel", bench(lambda: fg._scales(a_s))))
+        results.append(row(f"M={M}: B scales, e8m0_expand_kernel", bench(lambda: fg._col_scales(b_s, N))))
+        results.append(row(f"M={M}: fp8_gemm end to end", bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl))
+
+
+# Small-M (decode) fp8 GEMM candidates: 64-row tiles (one consumer warpgroup) and narrow N tiles, so that a
+# 5120-wide output spreads over more of the 132 SMs than the default's 27 CTAs (N / 192).
+GEMM_SMALL_CFGS = [dict(kernel="loop", BM=64, BN=64, threads=128, stages=4),
+                   dict(kernel="loop", BM=64, BN=128, threads=128, stages=4),
+                   dict(kernel="loop", BM=64, BN=32, threads=128, stages=6)]
+
+
+def gemm_small(results, args):
+    """fp8 GEMM at decode sizes (M = 1, 16, 64; K = 5120): the default against GEMM_SMALL_CFGS. These shapes are
+    bound by reading B (N x K fp8 bytes), so GB/s counts B's bytes and the note gives the cosine difference
+    from the default kernel's output."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for N in (5120, 2304):
+        K = 5120
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        sb = fg._col_scales(b_s, N)
+        wb = torch.randn(N, K, device="cuda").bfloat16()
+        for M in (1, 16, 64):
+            print(f"-- fp8 GEMM, decode size M={M} N={N} K={K}", flush=True)
+            a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+            sa = fg._scales(a_s)
+            fl, by = 2 * M * N * K, N * K
+            k0 = fg.fp8_gemm_pingpong_kernel(N, K)
+            ref = k0(a, sa, b, sb).float()
+            results.append(row(f"M={M} default (ping-pong BN=192)", bench(lambda: k0(a, sa, b, sb)), fl, by))
+            for cfg in GEMM_SMALL_CFGS:
+                kc = dict(cfg)
+                kc.pop("kernel")
+                name = f"M={M} loop {json.dumps(kc, separators=(',', ':'))}"
+                try:
+                    k = fg.fp8_gemm_kernel(N, K, **kc)
+                    out = k(a, sa, b, sb).float()
+                    cd = float(1 - torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
+                    results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by, note=f"cos diff {cd:.1e}"))
+                except Exception as e:
+                    print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            xb = torch.randn(M, K, device="cuda").bfloat16()
+            results.append(row(f"M={M} peer: bf16 matmul (torch, 2x the bytes)", bench(lambda: xb @ wb.t()), fl, 2 * by))
+
+
+# Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages
+# (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
+# 508). fp4 default: the loop at BN=192 (294 / 279).
+GEMM_CFGS = [dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3), dict(kernel="loop"),
+             dict(kernel="loop", BN=128), dict(kernel="loop", stages=3), dict(kernel="loop", BN=128, BM=192, threads=384)]
+FP4_GEMM_CFGS = [dict(BN=128), dict(BN=128, async_promote=True), dict(BN=128, BM=192, threads=384),
+                 dict(stages=4)]
+
+
+def fp4_gemms(results, args):
+    """fp8 activations x fp4 (e2m1, e8m0/32) expert weights at the release expert shapes (w1/w3, w2)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for (M, N, K) in [(args.m, 2304, 5120), (args.m, 5120, 2304)]:
+        print(f"-- fp4 GEMM (fp8 x e2m1, 32-wide e8m0 blocks) M={M} N={N} K={K}: {2 * M * N * K / 1e9:.1f} GFLOP",
+              flush=True)
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        a, a_s = Q.act_quant(x, 32, "ue8m0", Q.E8M0)
+        w = torch.randn(N, K, device="cuda") * 0.02
+        b, b_s = Q.quant_fp4(w)
+        fl, by = 2 * M * N * K, M * K + N * K // 2 + M * N * 2 + M * K // 32 + N * K // 32
+        sa, bp, sb = f4.operands(a_s, b, b_s, K)
+        for cfg in args.fp4_gemm_cfgs:
+            name = f"fp4_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
+            try:                                   # a failing variant prints its error, the sweep goes on
+                k = f4.fp4_gemm_kernel(N, K, **cfg)
+                results.append(row(name, bench(lambda: k(a, sa, bp, sb)), fl, by))
+            except Exception as e:
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        results.append(row("fp4_gemm end-to-end (scale conversion incl.)",
+                           bench(lambda: f4.fp4_gemm(a, a_s, b, b_s)), fl, by))
+        b8, b8_s = Q.quant_fp8_block(w)
+        results.append(row("peer: fp8_gemm tilelang, fp8 weights (e2e)",
+                           bench(lambda: fg.fp8_gemm(a, a_s, b8, b8_s)), fl))
+        sa_r = torch.rand(M, 1, device="cuda") + 0.5
+        sb_r = torch.rand(1, N, device="cuda") + 0.5
+        bt = b8.t()
+        results.append(row("peer: torch._scaled_mm fp8 rowwise scales",
+                           bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl))
+        wb = w.bfloat16()
+        results.append(row("peer: bf16 matmul (torch)", bench(lambda: x @ wb.t()), fl))
