@@ -17,7 +17,7 @@ import json
 import torch
 
 from ._bench_common import bench, row
-from .bench_gemm import FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, gemm_diag, gemm_small, gemm_wrapper, gemms
+from .bench_gemm import FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, gemm_diag, gemm_small, gemm_wide, gemm_wrapper, gemms
 
 
 def ceilings(results):
@@ -424,6 +424,7 @@ SECTIONS = {
     "gemmdiag": gemm_diag,
     "gemmwrap": gemm_wrapper,
     "gemmsmall": gemm_small,
+    "gemmwide": gemm_wide,
     "fp4gemm": fp4_gemms,
     "quant": quantizers,
     "fp4hc": fp4_hc,

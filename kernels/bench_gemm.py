@@ -131,7 +131,7 @@ def gemm_small(results, args):
             k0 = fg.fp8_gemm_pingpong_kernel(N, K)
             ref = k0(a, sa, b, sb).float()
             results.append(row(f"M={M} default (ping-pong BN=192)", bench(lambda: k0(a, sa, b, sb)), fl, by))
-            for cfg in GEMM_SMALL_CFGS:
+            for cfg in [dict(c, swizzle128=sw) for c in GEMM_SMALL_CFGS for sw in (False, True)]:
                 kc = dict(cfg)
                 kc.pop("kernel")
                 name = f"M={M} loop {json.dumps(kc, separators=(',', ':'))}"
@@ -144,6 +144,66 @@ def gemm_small(results, args):
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             xb = torch.randn(M, K, device="cuda").bfloat16()
             results.append(row(f"M={M} peer: bf16 matmul (torch, 2x the bytes)", bench(lambda: xb @ wb.t()), fl, 2 * by))
+
+
+# Each row: TileLang's own shared layout for the A/B tiles (four 32-byte-swizzled [rows, 32] panels, four
+# 32-byte-row TMA boxes per tile) against ``swizzle128=True`` (one 128-byte-swizzled tile, one TMA box). The diag row is
+# the plain fp8 GEMM (no scales, no per-slice wait) in the ws structure: the structure's own ceiling.
+GEMM_WIDE_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3),
+                  dict(kernel="ws"), dict(kernel="ws", stages=4), dict(kernel="ws", cluster=2),
+                  dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
+                  dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
+                  dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24), stages=2, diag="no_wait"),
+                  dict(kernel="ws", diag="no_wait"), dict(kernel="loop"), dict(kernel="loop", BN=128, async_promote=True)]
+FP4_WIDE_SW_CFGS = [dict(), dict(BN=128, async_promote=True), dict(stages=4)]
+
+
+def gemm_wide(results, args):
+    """The fp8 GEMM's shared-memory layout: every GEMM_WIDE_CFGS entry with and without ``swizzle128`` at the three
+    release shapes. The note says whether the swizzle128 kernel's output is bitwise equal to the narrow one's (it must
+    be: the same WGMMAs in the same order, only the bytes' placement in shared memory differs)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
+        print(f"-- fp8 GEMM shared layout M={M} N={N} K={K}", flush=True)
+        a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+        fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
+        for cfg in GEMM_WIDE_CFGS:
+            kc = dict(cfg)
+            build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "ws": fg.fp8_gemm_ws_kernel,
+                     "loop": fg.fp8_gemm_kernel}[kc.pop("kernel")]
+            outs = []
+            for sw in (False, True):
+                name = f"{json.dumps(dict(cfg, swizzle128=sw), separators=(',', ':'))}"
+                try:
+                    k = build(N, K, **kc, swizzle128=sw)
+                    outs.append(k(a, sa, b, sb))
+                    note = "" if not sw or len(outs) < 2 else \
+                        ("bitwise equal to narrow" if torch.equal(outs[0], outs[1]) else "DIFFERS from narrow")
+                    results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by, note=note))
+                except Exception as e:
+                    print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    for (M, N, K) in [(4096, 2304, 5120), (4096, 5120, 2304)]:
+        print(f"-- fp4 GEMM shared layout M={M} N={N} K={K}", flush=True)
+        a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp4(torch.randn(N, K, device="cuda") * 0.02)
+        sa, bp, sb = f4.operands(a_s, b, b_s, K)
+        fl = 2 * M * N * K
+        for cfg in FP4_WIDE_SW_CFGS:
+            outs = []
+            for sw in (False, True):
+                name = f"fp4 {json.dumps(dict(cfg, swizzle128=sw), separators=(',', ':'))}"
+                try:
+                    k = f4.fp4_gemm_kernel(N, K, **cfg, swizzle128=sw)
+                    outs.append(k(a, sa, bp, sb))
+                    note = "" if not sw or len(outs) < 2 else \
+                        ("bitwise equal to narrow" if torch.equal(outs[0], outs[1]) else "DIFFERS from narrow")
+                    results.append(row(name, bench(lambda: k(a, sa, bp, sb)), fl, note=note))
+                except Exception as e:
+                    print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages

@@ -109,6 +109,40 @@ def test_fp8_gemm_ws_release(shape, cfg):
     _check_close(fg.fp8_gemm(a, a_s, b, b_s, **cfg), K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
 
 
+# swizzle128: the A/B stage tiles in one 128-byte-swizzled layout (one TMA box per tile, each k = 32 WGMMA's
+# descriptor 32 bytes into the swizzle atom) instead of TileLang's four 32-byte-swizzled panels. Same WGMMAs in the
+# same order, so the output must be BITWISE equal to the default layout's; and close to the torch reference.
+FP8_SW128_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", BN=128), dict(kernel="ws"),
+                  dict(kernel="ws", cluster=2), FP8_WS_DT, dict(kernel="loop"),
+                  dict(kernel="loop", BN=128, async_promote=True)]
+
+
+@pytest.mark.parametrize("cfg", FP8_SW128_CFGS, ids=_cfg_id)
+@pytest.mark.parametrize("shape", [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_swizzle128_bitwise_equal(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape, seed=3)
+    c128 = fg.fp8_gemm(a, a_s, b, b_s, **cfg, swizzle128=True)
+    c = fg.fp8_gemm(a, a_s, b, b_s, **cfg)
+    assert torch.equal(c128, c), f"swizzle128 differs from the default layout at {int((c128 != c).sum())} elements"
+    _check_close(c128, K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 swizzle128 {shape} {cfg}")
+
+
+def test_swizzle128_layout_in_generated_code():
+    """The layout switch reaches the generated CUDA: 128-byte-swizzle WGMMA descriptors (layout type 1) advanced
+    32 bytes per k = 32 slice, one TMA box per operand tile; without it, 32-byte swizzle (type 3) panels."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    src = fg.fp8_gemm_pingpong_kernel(5120, 5120, swizzle128=True).get_kernel_source()
+    assert "initialize_wgmma_descriptor<1, 1, 64>" in src and "(kk * 32)" in src
+    assert "initialize_wgmma_descriptor<3," not in src
+    assert src.count("tma_load(A_desc") == 1 and src.count("tma_load(Bm_desc") == 1
+    src0 = fg.fp8_gemm_pingpong_kernel(5120, 5120).get_kernel_source()
+    assert "initialize_wgmma_descriptor<3, 1, 16>" in src0
+
+
 def test_fp8_gemm_ws_cluster_needs_even_column_blocks():
     """cluster=2 pairs column blocks 2c, 2c + 1: BN=192 at N=5120 (27 blocks) and a persistent grid are refused
     before compiling."""
@@ -174,6 +208,19 @@ def test_fp4_gemm_wide(shape, cfg):
     from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
     a, a_s, b, b_s = _fp4_gemm_operands(*shape)
     _check_close(f4.fp4_gemm(a, a_s, b, b_s, **cfg), K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 {shape} {cfg}")
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(BN=128, async_promote=True)], ids=_cfg_id)
+@pytest.mark.parametrize("shape", [(300, 5120, 2304), (1000, 2304, 5120)], ids=lambda s: "x".join(map(str, s)))
+def test_fp4_gemm_swizzle128_bitwise_equal(shape, cfg):
+    """The converted e4m3 B tile and the A tile 128-byte swizzled (the threads' fp4 -> e4m3 stores follow the
+    layout): bitwise the default layout's output."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    a, a_s, b, b_s = _fp4_gemm_operands(*shape, seed=3)
+    c128 = f4.fp4_gemm(a, a_s, b, b_s, **cfg, swizzle128=True)
+    assert torch.equal(c128, f4.fp4_gemm(a, a_s, b, b_s, **cfg))
+    _check_close(c128, K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 swizzle128 {shape} {cfg}")
 
 
 def test_fp4_gemm_leading_dims_act_block128():

@@ -31,6 +31,39 @@ PASS_CFG = {
 }
 
 
+WIDE_SWIZZLE_SUFFIX = "_sw128"
+
+
+def _install_wide_swizzle() -> None:
+    """Let a WGMMA read a K slice of a shared tile laid out with the swizzle of the tile's FULL row.
+
+    TileLang 0.1.15 lays out a WGMMA operand by the GEMM's own K (``GemmWGMMA.infer_layout``: continuity = K),
+    so a k = 32 fp8 GEMM on a [rows, 128] tile stores it as four [rows, 32] panels with a 32-byte swizzle, and
+    the TMA that fills it moves 32-byte rows (four boxes per tile). For a K-major shared operand whose buffer
+    name ends in ``_sw128`` this makes the layout the one its whole row allows (128-byte swizzle for 128 fp8):
+    one TMA box per tile, and each k = 32 WGMMA's descriptor starts 32 bytes into the swizzle atom (TileLang's
+    descriptor code restricts the layout to the sliced region, as CuTe's ``make_gmma_desc`` does). Buffers
+    without the suffix are untouched, and the name keeps such kernels apart in TileLang's cache."""
+    from tilelang.cuda.op.gemm.gemm_wgmma import GemmWGMMA
+    if getattr(GemmWGMMA, "_dsv41_wide", False):
+        return
+    original = GemmWGMMA.infer_layout
+
+    def infer_layout(self, target, thread_nums):
+        layouts = original(self, target, thread_nums)
+        operands = [(self.B, self.trans_B)] + ([(self.A, not self.trans_A)] if self.is_gemm_ss() else [])
+        for buf, k_major in operands:
+            if k_major and buf.name.endswith(WIDE_SWIZZLE_SUFFIX):
+                layouts[buf] = self.infer_shared_layout(int(buf.shape[-1]))(buf)
+        return layouts
+
+    GemmWGMMA.infer_layout = infer_layout
+    GemmWGMMA._dsv41_wide = True
+
+
+_install_wide_swizzle()
+
+
 def compile_kernel(func, out_idx=None, pass_configs=None, workspace_alias_ok: bool = False):
     """tilelang.compile with our target and pass configs, then ``check_reduction_workspace``.
     ``workspace_alias_ok``: the kernel's author has checked (and barriered) every store into a buffer that

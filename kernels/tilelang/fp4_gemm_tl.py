@@ -54,7 +54,8 @@ __device__ __forceinline__ void dsv41_fp4x8_to_e4m3(const void* src, void* dst) 
 
 @functools.lru_cache(maxsize=None)
 def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 3,
-                    threads: int = 256, async_promote: bool = False, swizzle: int = 8):
+                    threads: int = 256, async_promote: bool = False, swizzle: int = 8,
+                    swizzle128: bool = False):
     """The compiled kernel for one (N, K) and configuration; BM = 64 rows per consumer warpgroup
     (``threads = 2 * BM``). Defaults = the fp8 GEMM's tile (BN=192, sync promotion), 3 stages (the run-10
     measurement; the converted b_s tile adds shared memory per stage)."""
@@ -62,6 +63,33 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
     KB, SB = K // 32, BK // 32
     assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
     body = promote_loop(BM, BN, SB, async_promote, per_col=True)   # fp4: per-column scales
+
+    @T.macro
+    def tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, by):
+        bp_s = T.alloc_shared([BN, BK // 2], U8)
+        sa = T.alloc_shared([BM, SB], F32)
+        sb = T.alloc_shared([BN, SB], F32)
+        acc = T.alloc_fragment([BM, BN], F32)
+        tmp = T.alloc_fragment([BM, BN], F32)
+        tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
+        c_s = T.alloc_shared([BM, BN], BF16)
+        T.use_swizzle(swizzle)
+        T.clear(acc)
+        for k in T.Pipelined(K // BK, num_stages=stages):
+            T.copy(A[by * BM, k * BK], a_s)
+            T.copy(Bp[bx * BN, k * (BK // 2)], bp_s)
+            T.copy(As[by * BM, k * SB], sa)
+            T.copy(Bs[bx * BN, k * SB], sb)
+            T.import_source(_CONV_X8_SRC)
+            T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
+            for i, q in T.Parallel(BN, BK // 8):
+                T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
+                              T.address_of(b_s[i, q * 8]))
+            T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
+            T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
+            body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
+        T.copy(acc, c_s)
+        T.copy(c_s, C[by * BM, bx * BN])
 
     @T.prim_func
     def fp4_gemm(
@@ -72,32 +100,14 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
         C: T.Tensor([M, N], BF16),
     ):
         with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
-            a_s = T.alloc_shared([BM, BK], FP8)
-            bp_s = T.alloc_shared([BN, BK // 2], U8)
-            b_s = T.alloc_shared([BN, BK], FP8)
-            sa = T.alloc_shared([BM, SB], F32)
-            sb = T.alloc_shared([BN, SB], F32)
-            acc = T.alloc_fragment([BM, BN], F32)
-            tmp = T.alloc_fragment([BM, BN], F32)
-            tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
-            c_s = T.alloc_shared([BM, BN], BF16)
-            T.use_swizzle(swizzle)
-            T.clear(acc)
-            for k in T.Pipelined(K // BK, num_stages=stages):
-                T.copy(A[by * BM, k * BK], a_s)
-                T.copy(Bp[bx * BN, k * (BK // 2)], bp_s)
-                T.copy(As[by * BM, k * SB], sa)
-                T.copy(Bs[bx * BN, k * SB], sb)
-                T.import_source(_CONV_X8_SRC)
-                T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
-                for i, q in T.Parallel(BN, BK // 8):
-                    T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
-                                  T.address_of(b_s[i, q * 8]))
-                T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
-                T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
-                body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
-            T.copy(acc, c_s)
-            T.copy(c_s, C[by * BM, bx * BN])
+            if swizzle128:  # one 128-byte-swizzled [rows, BK] tile per operand (_common._install_wide_swizzle)
+                a_sw128 = T.alloc_shared([BM, BK], FP8)
+                b_sw128 = T.alloc_shared([BN, BK], FP8)
+                tile_loop(a_sw128, b_sw128, A, As, Bp, Bs, C, bx, by)
+            else:
+                a_s = T.alloc_shared([BM, BK], FP8)
+                b_s = T.alloc_shared([BN, BK], FP8)
+                tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, by)
 
     return compile_kernel(fp4_gemm, out_idx=[4])
 

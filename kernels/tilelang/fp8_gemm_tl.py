@@ -49,7 +49,7 @@ BF16, F32, FP8 = "bfloat16", "float32", "float8_e4m3fn"
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 4,
-                    threads: int = 256, async_promote: bool = False, swizzle: int = 8):
+                    threads: int = 256, async_promote: bool = False, swizzle: int = 8, swizzle128: bool = False):
     """The compiled kernel for one (N, K) and configuration; BM = 64 rows per consumer warpgroup
     (``threads = 2 * BM``). Defaults = the measured best (run 10, H200: BN=192 sync promotion 549
     TFLOP/s at 4096x5120x5120; stages=3 equal there, 555 vs 541 at N=2304)."""
@@ -57,6 +57,26 @@ def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
     KB, SB = K // 32, BK // 32
     assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
     body = promote_loop(BM, BN, SB, async_promote)
+
+    @T.macro
+    def tile_loop(a_s, b_s, A, As, Bm, Bs, C, bx, by):
+        sa = T.alloc_shared([BM, SB], F32)
+        sb = T.alloc_shared([BN, SB], F32)
+        acc = T.alloc_fragment([BM, BN], F32)
+        tmp0 = T.alloc_fragment([BM, BN], F32)
+        tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp0
+        sp = T.alloc_fragment([BM, BN // 32], F32)
+        c_s = T.alloc_shared([BM, BN], BF16)
+        T.use_swizzle(swizzle)
+        T.clear(acc)
+        for k in T.Pipelined(K // BK, num_stages=stages):
+            T.copy(A[by * BM, k * BK], a_s)
+            T.copy(Bm[bx * BN, k * BK], b_s)
+            T.copy(As[by * BM, k * SB], sa)
+            T.copy(Bs[bx * BN, k * SB], sb)
+            body(a_s, b_s, sa, sb, acc, tmp0, tmp1, sp)
+        T.copy(acc, c_s)
+        T.copy(c_s, C[by * BM, bx * BN])
 
     @T.prim_func
     def fp8_gemm(
@@ -67,25 +87,14 @@ def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
         C: T.Tensor([M, N], BF16),
     ):
         with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
-            a_s = T.alloc_shared([BM, BK], FP8)
-            b_s = T.alloc_shared([BN, BK], FP8)
-            sa = T.alloc_shared([BM, SB], F32)
-            sb = T.alloc_shared([BN, SB], F32)
-            acc = T.alloc_fragment([BM, BN], F32)
-            tmp0 = T.alloc_fragment([BM, BN], F32)
-            tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp0
-            sp = T.alloc_fragment([BM, BN // 32], F32)
-            c_s = T.alloc_shared([BM, BN], BF16)
-            T.use_swizzle(swizzle)
-            T.clear(acc)
-            for k in T.Pipelined(K // BK, num_stages=stages):
-                T.copy(A[by * BM, k * BK], a_s)
-                T.copy(Bm[bx * BN, k * BK], b_s)
-                T.copy(As[by * BM, k * SB], sa)
-                T.copy(Bs[bx * BN, k * SB], sb)
-                body(a_s, b_s, sa, sb, acc, tmp0, tmp1, sp)
-            T.copy(acc, c_s)
-            T.copy(c_s, C[by * BM, bx * BN])
+            if swizzle128:  # one 128-byte-swizzled [rows, BK] tile per operand (_common._install_wide_swizzle)
+                a_sw128 = T.alloc_shared([BM, BK], FP8)
+                b_sw128 = T.alloc_shared([BN, BK], FP8)
+                tile_loop(a_sw128, b_sw128, A, As, Bm, Bs, C, bx, by)
+            else:
+                a_s = T.alloc_shared([BM, BK], FP8)
+                b_s = T.alloc_shared([BN, BK], FP8)
+                tile_loop(a_s, b_s, A, As, Bm, Bs, C, bx, by)
 
     return compile_kernel(fp8_gemm, out_idx=[4])
 
@@ -130,7 +139,7 @@ def _stage_macros(W: int, BM: int, BN: int, BK: int, SB: int, stages: int, clust
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 2, swizzle: int = 8,
-                             nreg: tuple = (240, 24)):
+                             nreg: tuple = (240, 24), swizzle128: bool = False):
     """The warp-specialised ping-pong kernel (384 threads, BM = 128). Defaults = the measured best (run 11:
     2 stages 569 / 584 / 522 TFLOP/s, 3 stages 560 / 559 / 521, BN=128 467 / 418 / 438).
 
@@ -187,6 +196,36 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
         T.copy(acc, c_s)
         T.copy(c_s, C[by * BM + w * HALF, bx * BN])
 
+    @T.macro
+    def body(a_s, b_s, A, As, Bm, Bs, C, bx, by):
+        sa = T.alloc_shared([stages, BM, SB], F32)
+        sb = T.alloc_shared([stages, BN, SB], F32)
+        c_s0 = T.alloc_shared([HALF, BN], BF16)
+        c_s1 = T.alloc_shared([HALF, BN], BF16)
+        acc0 = T.alloc_fragment([HALF, BN], F32)
+        tmp0 = T.alloc_fragment([HALF, BN], F32)
+        sp0 = T.alloc_fragment([HALF, NC], F32)
+        acc1 = T.alloc_fragment([HALF, BN], F32)
+        tmp1 = T.alloc_fragment([HALF, BN], F32)
+        sp1 = T.alloc_fragment([HALF, NC], F32)
+        full = T.alloc_barrier(arrive_count=[128] * stages)
+        empty = T.alloc_barrier(arrive_count=[256] * stages)
+        turn = T.alloc_barrier(arrive_count=[128, 128])
+        done = T.alloc_barrier(arrive_count=256)
+        T.use_swizzle(swizzle)
+
+        tx = T.get_thread_binding()
+        if tx < 128:
+            T.set_max_nreg(nreg[0], 1)
+            consumer(0, acc0, tmp0, sp0, a_s, b_s, sa, sb, c_s0, full, empty, turn, done, C, bx, by)
+        elif tx < 256:
+            T.set_max_nreg(nreg[0], 1)
+            consumer(1, acc1, tmp1, sp1, a_s, b_s, sa, sb, c_s1, full, empty, turn, done, C, bx, by)
+        else:
+            T.set_max_nreg(nreg[1], 0)
+            for k in T.serial(NK):
+                load(k, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs)
+
     @T.prim_func
     def fp8_gemm_pingpong(
         A: T.Tensor([M, K], FP8),
@@ -196,35 +235,14 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
         C: T.Tensor([M, N], BF16),
     ):
         with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=384) as (bx, by):
-            a_s = T.alloc_shared([stages, BM, BK], FP8)
-            b_s = T.alloc_shared([stages, BN, BK], FP8)
-            sa = T.alloc_shared([stages, BM, SB], F32)
-            sb = T.alloc_shared([stages, BN, SB], F32)
-            c_s0 = T.alloc_shared([HALF, BN], BF16)
-            c_s1 = T.alloc_shared([HALF, BN], BF16)
-            acc0 = T.alloc_fragment([HALF, BN], F32)
-            tmp0 = T.alloc_fragment([HALF, BN], F32)
-            sp0 = T.alloc_fragment([HALF, NC], F32)
-            acc1 = T.alloc_fragment([HALF, BN], F32)
-            tmp1 = T.alloc_fragment([HALF, BN], F32)
-            sp1 = T.alloc_fragment([HALF, NC], F32)
-            full = T.alloc_barrier(arrive_count=[128] * stages)
-            empty = T.alloc_barrier(arrive_count=[256] * stages)
-            turn = T.alloc_barrier(arrive_count=[128, 128])
-            done = T.alloc_barrier(arrive_count=256)
-            T.use_swizzle(swizzle)
-
-            tx = T.get_thread_binding()
-            if tx < 128:
-                T.set_max_nreg(nreg[0], 1)
-                consumer(0, acc0, tmp0, sp0, a_s, b_s, sa, sb, c_s0, full, empty, turn, done, C, bx, by)
-            elif tx < 256:
-                T.set_max_nreg(nreg[0], 1)
-                consumer(1, acc1, tmp1, sp1, a_s, b_s, sa, sb, c_s1, full, empty, turn, done, C, bx, by)
-            else:
-                T.set_max_nreg(nreg[1], 0)
-                for k in T.serial(NK):
-                    load(k, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs)
+            if swizzle128:  # one 128-byte-swizzled [rows, BK] tile per operand (_common._install_wide_swizzle)
+                a_sw128 = T.alloc_shared([stages, BM, BK], FP8)
+                b_sw128 = T.alloc_shared([stages, BN, BK], FP8)
+                body(a_sw128, b_sw128, A, As, Bm, Bs, C, bx, by)
+            else:           # TileLang's own layout: four 32-byte-swizzled [rows, 32] panels per tile
+                a_s = T.alloc_shared([stages, BM, BK], FP8)
+                b_s = T.alloc_shared([stages, BN, BK], FP8)
+                body(a_s, b_s, A, As, Bm, Bs, C, bx, by)
 
     return compile_kernel(fp8_gemm_pingpong, out_idx=[4])
 
@@ -232,7 +250,8 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: int = 128, stages: int = 3,
                        double_tmp: bool = False, swizzle: int = 8, nreg: tuple = (160, 24), store: str = "auto",
-                       persistent: int = 0, group: int = 8, diag: str = "", cluster: int = 1):
+                       persistent: int = 0, group: int = 8, diag: str = "", cluster: int = 1,
+                       swizzle128: bool = False):
     """The warp-specialised kernel without turn-taking (``128 * (consumers + 1)`` threads, BM = 64 * consumers).
 
     * the last warpgroup, the producer (``nreg[1]`` registers), TMA-loads A [BM, BK], B [BN, BK] and their fp32
@@ -433,9 +452,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
                 consumer(2, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
 
     @T.macro
-    def body(A, As, Bm, Bs, C, bx, by):
-        a_s = T.alloc_shared([stages, BM, BK], FP8)
-        b_s = T.alloc_shared([stages, BN, BK], FP8)
+    def body_on(a_s, b_s, A, As, Bm, Bs, C, bx, by):
         sa = T.alloc_shared([stages, BM, SB], F32)
         sb = T.alloc_shared([stages, BN, SB], F32)
         if cluster == 1:
@@ -454,6 +471,17 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
             consumers_of(tx, a_s, b_s, sa, sb, full, empty, done, C, bx, by)
         if cluster == 2:
             T.cluster_sync()                            # the peer's last remote arrivals landed: safe to exit
+
+    @T.macro
+    def body(A, As, Bm, Bs, C, bx, by):
+        if swizzle128:      # one 128-byte-swizzled [rows, BK] tile per operand (_common._install_wide_swizzle)
+            a_sw128 = T.alloc_shared([stages, BM, BK], FP8)
+            b_sw128 = T.alloc_shared([stages, BN, BK], FP8)
+            body_on(a_sw128, b_sw128, A, As, Bm, Bs, C, bx, by)
+        else:               # TileLang's own layout: four 32-byte-swizzled [rows, 32] panels per tile
+            a_s = T.alloc_shared([stages, BM, BK], FP8)
+            b_s = T.alloc_shared([stages, BN, BK], FP8)
+            body_on(a_s, b_s, A, As, Bm, Bs, C, bx, by)
 
     if persistent:
         @T.prim_func
