@@ -149,7 +149,8 @@ def gemm_small(results, args):
 # Each row: TileLang's own shared layout for the A/B tiles (four 32-byte-swizzled [rows, 32] panels, four
 # 32-byte-row TMA boxes per tile) against ``swizzle128=True`` (one 128-byte-swizzled tile, one TMA box). The diag row is
 # the plain fp8 GEMM (no scales, no per-slice wait) in the ws structure: the structure's own ceiling.
-GEMM_WIDE_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3),
+GEMM_WIDE_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", early_sp=True), dict(kernel="pingpong", BN=128),
+                  dict(kernel="pingpong", stages=3),
                   dict(kernel="ws"), dict(kernel="ws", stages=4), dict(kernel="ws", cluster=2),
                   dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24)),
                   dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
@@ -164,6 +165,7 @@ def gemm_wide(results, args):
     be: the same WGMMAs in the same order, only the bytes' placement in shared memory differs)."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang._gemm import dequant_bf16
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp8 GEMM shared layout M={M} N={N} K={K}", flush=True)
         a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
@@ -185,6 +187,9 @@ def gemm_wide(results, args):
                     results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by, note=note))
                 except Exception as e:
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        _bf16_path_rows(results, "fp8", lambda: fg.fp8_gemm(a, a_s, b, b_s, kernel="bf16"),
+                        lambda: dequant_bf16(a, a_s, "e4m3"), lambda: dequant_bf16(b, b_s, "e4m3", row_rep=32),
+                        fg.fp8_gemm(a, a_s, b, b_s), M, N, K)
     from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
     for (M, N, K) in [(4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp4 GEMM shared layout M={M} N={N} K={K}", flush=True)
@@ -204,6 +209,26 @@ def gemm_wide(results, args):
                     results.append(row(name, bench(lambda: k(a, sa, bp, sb)), fl, note=note))
                 except Exception as e:
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        _bf16_path_rows(results, "fp4", lambda: f4.fp4_gemm(a, a_s, b, b_s, kernel="bf16"),
+                        lambda: dequant_bf16(a, a_s, "e4m3"), lambda: dequant_bf16(b, b_s, "e2m1"),
+                        f4.fp4_gemm(a, a_s, b, b_s), M, N, K)
+
+
+def _bf16_path_rows(results, what, e2e, deq_a, deq_b, ref, M, N, K):
+    """The bf16 path of a block-scaled GEMM: both operands dequantised exactly to bf16 (one pass each), then
+    torch's bf16 matmul; its parts timed alone, and its cosine difference from the block-scaled kernel."""
+    fl = 2 * M * N * K
+    try:
+        out = e2e().float()
+        cd = float(1 - torch.nn.functional.cosine_similarity(out.flatten(), ref.float().flatten(), dim=0))
+        results.append(row(f"{what} bf16 path end to end", bench(e2e), fl, note=f"cos diff {cd:.1e}"))
+        xa, xb = deq_a(), deq_b()
+        nb_b = N * K * (3 if what == "fp8" else 2.5)
+        results.append(row(f"{what} bf16 path: dequant A", bench(deq_a), None, M * K * 3))
+        results.append(row(f"{what} bf16 path: dequant B", bench(deq_b), None, nb_b))
+        results.append(row(f"{what} bf16 path: matmul alone", bench(lambda: xa @ xb.t()), fl))
+    except Exception as e:
+        print(f"{what} bf16 path: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages

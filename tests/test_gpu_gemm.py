@@ -223,6 +223,36 @@ def test_fp4_gemm_swizzle128_bitwise_equal(shape, cfg):
     _check_close(c128, K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 swizzle128 {shape} {cfg}")
 
 
+@pytest.mark.parametrize("rows,K", [(70, 96), (300, 2304), (1000, 5120)])
+def test_dequant_bf16_exact(rows, K):
+    """The bf16 path's operands: e4m3 activations x per-32 scales, e4m3 weights x 32x32 block scales, packed e2m1
+    weights x per-32 scales, each bitwise equal to quant's torch dequantisation (every value is a bf16)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang._gemm import dequant_bf16
+    a, a_s, b, b_s = _fp8_operands(rows, rows, K, seed=4)
+    want_a = (a.float() * Q.e8m0_to_float(a_s).repeat_interleave(32, -1)).bfloat16()
+    assert torch.equal(dequant_bf16(a, a_s, "e4m3"), want_a)
+    assert torch.equal(dequant_bf16(b, b_s, "e4m3", row_rep=32), Q.dequant_fp8_block(b, b_s))
+    _, _, b4, b4_s = _fp4_gemm_operands(rows, rows, K, seed=4)
+    assert torch.equal(dequant_bf16(b4, b4_s, "e2m1"), Q.dequant_fp4(b4, b4_s))
+
+
+@pytest.mark.parametrize("shape", [(5, 70, 96), (300, 5120, 2304), (1000, 2304, 5120)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_block_scaled_gemms_bf16_path(shape):
+    """kernel="bf16": exact bf16 operands, then torch's bf16 matmul (fp32 accumulation in another order than the
+    reference's per-block sums): within the same bounds as the block-scaled kernels, fp8 and fp4 weights."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape, seed=5)
+    _check_close(fg.fp8_gemm(a, a_s, b, b_s, kernel="bf16"), K.fp8_gemm(a, a_s, b, b_s, impl="torch"),
+                 f"fp8 bf16 path {shape}")
+    a, a_s, b, b_s = _fp4_gemm_operands(*shape, seed=5)
+    _check_close(f4.fp4_gemm(a, a_s, b, b_s, kernel="bf16"), K.fp4_gemm(a, a_s, b, b_s, impl="torch"),
+                 f"fp4 bf16 path {shape}")
+
+
 def test_fp4_gemm_leading_dims_act_block128():
     _need_tilelang()
     a, a_s, b, b_s = _fp4_gemm_operands(6, 256, 512, seed=1, act_block=128)

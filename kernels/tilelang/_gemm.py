@@ -130,3 +130,62 @@ def scales_f32(s: torch.Tensor, rep: int = 1, rows: int | None = None) -> torch.
     if rows:
         e8m0_expand_kernel(KB, rep)(s2.contiguous().view(torch.uint8), out)
     return out
+
+
+# ----------------------------------------------------------------------------- dequantisation to bf16
+@functools.lru_cache(maxsize=None)
+def dequant_bf16_kernel(K: int, fmt: str, row_rep: int = 1, kblock: int = 32, BR: int = 32, BC: int = 256,
+                        threads: int = 256):
+    """O [R, K] bf16 = value(X[r, k]) * S[r // row_rep, k // kblock], one pass (the ``bf16`` GEMM path).
+
+    ``fmt`` "e4m3": X [R, K] float8_e4m3fn; "e2m1": X [R, K/2] packed bytes (element 2j in the low nibble).
+    S fp32 [ceil(R / row_rep), K / kblock] (``scales_f32``): 1 for per-row scales, 32 for 32x32 weight blocks.
+    Exact: every e4m3 and e2m1 value times a power of two is a bf16 (8 exponent bits, 3 >= 1 mantissa bits)
+    unless it leaves bf16's range, which fp32 scales from e8m0 cannot reach here (|value| <= 448 * 2^127 would;
+    the quantisers' scales keep the products finite)."""
+    R, RS = T.dynamic("R"), T.dynamic("RS")
+    if K % BC or BC % kblock or fmt not in ("e4m3", "e2m1"):
+        raise ValueError(f"dequant_bf16: K={K} must be a multiple of BC={BC} (a multiple of kblock={kblock}); "
+                         f"fmt {fmt!r} must be 'e4m3' or 'e2m1'")
+    KX, XT = (K, "float8_e4m3fn") if fmt == "e4m3" else (K // 2, "uint8")
+
+    @T.prim_func
+    def dequant_bf16(X: T.Tensor([R, KX], XT), S: T.Tensor([RS, K // kblock], F32),
+                     O: T.Tensor([R, K], "bfloat16")):
+        with T.Kernel(K // BC, T.ceildiv(R, BR), threads=threads) as (bx, by):
+            if fmt == "e4m3":
+                for i, j in T.Parallel(BR, BC):
+                    r = by * BR + i
+                    k = bx * BC + j
+                    if r < R:
+                        O[r, k] = T.Cast("bfloat16", T.Cast(F32, X[r, k]) * S[r // row_rep, k // kblock])
+            else:                       # one byte = elements 2p (low nibble) and 2p + 1 (high) per thread
+                for i, p in T.Parallel(BR, BC // 2):
+                    r = by * BR + i
+                    k = bx * BC + 2 * p
+                    if r < R:
+                        byte = T.Cast("int32", X[r, k // 2])
+                        sc = S[r // row_rep, k // kblock]
+                        for h in T.unroll(2):
+                            code = (byte >> (4 * h)) & 15
+                            e = (code >> 1) & 3
+                            m = code & 1
+                            mag = T.if_then_else(e == 0, T.Cast(F32, m) * 0.5, T.Cast(F32, (m + 2) << e) * 0.25)
+                            O[r, k + h] = T.Cast("bfloat16", T.if_then_else(code >= 8, -mag, mag) * sc)
+
+    from ._common import compile_kernel
+    return compile_kernel(dequant_bf16, out_idx=[2])
+
+
+def dequant_bf16(x: torch.Tensor, s: torch.Tensor, fmt: str, row_rep: int = 1, kblock: int = 32) -> torch.Tensor:
+    """bf16 [rows, K] from quantised rows x ([rows, K] e4m3 or [rows, K/2] packed e2m1) and their e8m0/fp32
+    scales s [ceil(rows / row_rep), K / kblock] (``dequant_bf16_kernel``)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    K = x2.shape[-1] * (2 if fmt == "e2m1" else 1)
+    sf = scales_f32(s)
+    if fmt == "e2m1":
+        x2 = x2.view(torch.uint8)
+    bc = next((c for c in (256, 128, 64, 32) if K % c == 0 and c % kblock == 0), None)
+    if bc is None:
+        raise ValueError(f"dequant_bf16: K={K} is not a multiple of the scale block {kblock} (and of 32)")
+    return dequant_bf16_kernel(K, fmt, row_rep, kblock, BC=bc)(x2, sf)

@@ -28,7 +28,7 @@ import tilelang.language as T
 from functional_dsv41 import quant
 
 from ._common import compile_kernel
-from ._gemm import promote_loop
+from ._gemm import dequant_bf16, promote_loop
 from .fp8_gemm_tl import _scales
 
 BF16, F32, FP8, U8 = "bfloat16", "float32", "float8_e4m3fn", "uint8"
@@ -138,6 +138,11 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
         raise ValueError(f"fp4_gemm (tilelang): a has K={K}, b has K={b.shape[-1] * 2}, act block {act_block_size}")
     lead = a.shape[:-1]
     a2 = a.reshape(-1, K).contiguous()
+    if cfg.get("kernel") == "bf16":     # exact bf16 operands (dequant_bf16), then torch's bf16 matmul (cuBLAS)
+        ab = dequant_bf16(a2, a_s.reshape(-1, K // act_block_size), "e4m3", kblock=act_block_size)
+        c = torch.mm(ab, dequant_bf16(b, b_s, "e2m1").t())
+        return c.reshape(*lead, N).to(out_dtype)
+    cfg.pop("kernel", None)
     sa, bp, sb = operands(a_s, b, b_s, K, act_block_size)
     bk = cfg.pop("BK", _pick_bk(K))
     kern = fp4_gemm_kernel(N, K, BK=bk, **cfg)

@@ -40,7 +40,7 @@ import tilelang.language as T
 from functional_dsv41 import quant
 
 from ._common import compile_kernel, register_pool_per_row, sm_count
-from ._gemm import promote_loop, scales_f32
+from ._gemm import dequant_bf16, promote_loop, scales_f32
 
 SMEM_MAX = 227 * 1024 - 1024          # dynamic shared memory per CTA (H100/H200), minus barriers
 
@@ -110,11 +110,19 @@ def _stage_macros(W: int, BM: int, BN: int, BK: int, SB: int, stages: int, clust
     NC = BN // 32
 
     @T.macro
-    def promote(w, s, kk, tmp, acc, sp, sa, sb):
+    def scale_products(w, s, kk, sp, sa, sb):
         for i, c in T.Parallel(W, NC):
             sp[i, c] = sa[s, w * W + i, kk] * sb[s, c * 32, kk]
+
+    @T.macro
+    def accumulate(tmp, acc, sp):
         for i, j in T.Parallel(W, BN):
             acc[i, j] += tmp[i, j] * sp[i, j // 32]
+
+    @T.macro
+    def promote(w, s, kk, tmp, acc, sp, sa, sb):
+        scale_products(w, s, kk, sp, sa, sb)
+        accumulate(tmp, acc, sp)
 
     @T.macro
     def load(it, k, bx, by, a_s, b_s, sa, sb, full, empty, A, As, Bm, Bs):
@@ -134,12 +142,13 @@ def _stage_macros(W: int, BM: int, BN: int, BK: int, SB: int, stages: int, clust
             T.tma_copy(Bs[bx * BN:(bx + 1) * BN, k * SB:(k + 1) * SB], sb[s, :, :], barrier=full[s])
         T.barrier_arrive(full[s])
 
-    return promote, load
+    return promote, load, scale_products, accumulate
 
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 2, swizzle: int = 8,
-                             nreg: tuple = (240, 24), swizzle128: bool = False):
+                             nreg: tuple = (240, 24), swizzle128: bool = False,
+                             early_sp: bool = False):
     """The warp-specialised ping-pong kernel (384 threads, BM = 128). Defaults = the measured best (run 11:
     2 stages 569 / 584 / 522 TFLOP/s, 3 stages 560 / 559 / 521, BN=128 467 / 418 / 438).
 
@@ -168,7 +177,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     if smem > SMEM_MAX:
         raise ValueError(f"fp8_gemm ping-pong: shared memory {smem} B over {SMEM_MAX}")
 
-    promote, load = _stage_macros(HALF, BM, BN, BK, SB, stages)
+    promote, load, scale_products, accumulate = _stage_macros(HALF, BM, BN, BK, SB, stages)
 
     @T.macro
     def consumer(w, acc, tmp, sp, a_s, b_s, sa, sb, c_s, full, empty, turn, done, C, bx, by):
@@ -185,9 +194,14 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
                     T.barrier_wait(turn[1], g % 2)
                 T.wgmma_gemm(a_s[s, w * HALF:(w + 1) * HALF, kk * 32:(kk + 1) * 32],
                              b_s[s, :, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
+                if early_sp:                            # the scale loads overlap the WGMMA
+                    scale_products(w, s, kk, sp, sa, sb)
                 T.wait_wgmma(0)
                 T.barrier_arrive(turn[1 - w])           # hand the tensor core over, then promote
-                promote(w, s, kk, tmp, acc, sp, sa, sb)
+                if early_sp:
+                    accumulate(tmp, acc, sp)
+                else:
+                    promote(w, s, kk, tmp, acc, sp, sa, sb)
             T.barrier_arrive(empty[s])
         # both consumers are past their last read of the stages before either writes its output tile
         # (the shared-memory planner may overlay the tiles on the stages)
@@ -323,7 +337,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
     if ring + (BM * BN * 2 if store == "smem" else 0) > SMEM_MAX or (persistent and store == "smem"):
         raise ValueError(f"fp8_gemm ws: shared memory {ring} B (+ staging, store={store}) over {SMEM_MAX}")
 
-    promote, load = _stage_macros(W, BM, BN, BK, SB, stages, cluster)
+    promote, load, _, _ = _stage_macros(W, BM, BN, BK, SB, stages, cluster)
 
     @T.macro
     def issue(w, s, kk, tmp, a_s, b_s):
@@ -537,6 +551,10 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     a2 = a.reshape(-1, K).contiguous()
     sa = _scales(a_s).reshape(-1, K // 32)
     kernel = cfg.pop("kernel", "pingpong" if K % 128 == 0 else "loop")
+    if kernel == "bf16":                # exact bf16 operands (dequant_bf16), then torch's bf16 matmul (cuBLAS)
+        ab = dequant_bf16(a2, a_s.reshape(-1, K // 32), "e4m3")
+        c = torch.mm(ab, dequant_bf16(b, b_s, "e4m3", row_rep=32).t())
+        return c.reshape(*lead, N).to(out_dtype)
     if cfg.get("diag"):
         raise ValueError("fp8_gemm (tilelang): diag kernels ignore the scales (bench only)")
     if kernel == "pingpong":
