@@ -12,7 +12,9 @@ down projection - cast to bf16 for ``w2``. Outputs accumulate in fp32 in ascendi
 the shared expert is added, and the sum is cast back to bf16.
 
 Two dispatch formulations, equal in value:
-- ``dispatch="sorted"``: tokens sorted by expert, one GEMM per expert that has tokens (what scales).
+- ``dispatch="sorted"``: tokens sorted by expert, one GEMM per expert that has tokens (what scales); with
+  the release's fp4 experts in reference mode, one grouped GEMM over all of them per projection
+  (``experts_grouped``, the same rows).
 - ``dispatch="dense"``: every expert over every token, masked by the routing weights; no
   data-dependent shapes, so it works under ``torch.func.vmap`` (tiny configs only).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .config import Config
+from functional_dsv41 import kernels, quant
 from . import invariant
 from .linear import linear, qat_format
 
@@ -51,19 +54,44 @@ def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_m
     return w_TK * cfg.route_scale, idx_TK
 
 
-def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mode: str, fake: str | None = None,
-           impl: str | None = None):
-    """One SwiGLU expert: x [n, D] bf16, routing weight w [n, 1] fp32 (None for the shared expert) -> [n, D]."""
-    gate = linear(x, p["w1"], mode=mode, fake=fake, impl=impl).float()
-    up = linear(x, p["w3"], mode=mode, fake=fake, impl=impl).float()
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor | None, cfg: Config) -> torch.Tensor:
+    """fp32 [n, F] ``w * silu(min(gate, limit)) * clamp(up, -limit, limit)`` (w [n, 1] or None)."""
     lim = cfg.swiglu_limit
     if lim > 0:
         gate = gate.clamp(max=lim)
         up = up.clamp(-lim, lim)
     y = invariant.silu(gate) * up
-    if w is not None:
-        y = w * y
+    return y if w is None else w * y
+
+
+def expert(x: torch.Tensor, p: dict, w: torch.Tensor | None, *, cfg: Config, mode: str, fake: str | None = None,
+           impl: str | None = None):
+    """One SwiGLU expert: x [n, D] bf16, routing weight w [n, 1] fp32 (None for the shared expert) -> [n, D]."""
+    gate = linear(x, p["w1"], mode=mode, fake=fake, impl=impl).float()
+    up = linear(x, p["w3"], mode=mode, fake=fake, impl=impl).float()
+    y = _swiglu(gate, up, w, cfg)
     return linear(y.to(x.dtype), p["w2"], mode=mode, fake=fake, impl=impl)
+
+
+def _grouped_ok(ps: list[dict], mode: str) -> bool:
+    """The routed experts can run as grouped GEMMs: reference mode, fp4 weights, no biases (the release)."""
+    return mode == "reference" and all(p[n]["weight"].dtype == quant.FP4X2 and "bias" not in p[n]
+                                       for p in ps for n in ("w1", "w2", "w3"))
+
+
+def experts_grouped(x_SD: torch.Tensor, ps: list[dict], w_S1: torch.Tensor, counts: list[int], *, cfg: Config,
+                    impl: str | None = None) -> torch.Tensor:
+    """The routed experts over expert-sorted rows, one grouped GEMM per projection: x [S, D] bf16 holds
+    ``counts[g]`` consecutive rows for expert ``ps[g]``, routing weights w [S, 1] fp32 -> [S, D] bf16. Row by row
+    what ``expert`` computes (the activations are quantised per row, so quantising all rows at once changes
+    nothing), in 2 act_quants and 3 ``fp4_gemm_grouped`` calls instead of 5 launches-heavy calls per expert."""
+    def gemm(name, a, a_s):
+        return kernels.fp4_gemm_grouped(a, a_s, [p[name]["weight"] for p in ps], [p[name]["scale"] for p in ps],
+                                        counts, quant.E8M0, 32, impl=impl)
+    xq, xs = kernels.act_quant(x_SD.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
+    y = _swiglu(gemm("w1", xq, xs).float(), gemm("w3", xq, xs).float(), w_S1, cfg)
+    yq, ys = kernels.act_quant(y.to(x_SD.dtype).to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
+    return gemm("w2", yq, ys)
 
 
 def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: torch.Tensor | None = None,
@@ -84,12 +112,17 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
         counts = torch.bincount(flat_e, minlength=len(experts)).tolist()
         tok = order // K
         wts = w_TK.reshape(-1)[order]
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(expert(x_TD[tok[start:start + n]], experts[e], wts[start:start + n, None], cfg=cfg,
-                                   mode=mode, fake=fake_routed, impl=impl).float())
-                start += n
+        active = [e for e, n in enumerate(counts) if n]
+        if _grouped_ok([experts[e] for e in active], mode):
+            outs = [experts_grouped(x_TD[tok], [experts[e] for e in active], wts[:, None],
+                                    [counts[e] for e in active], cfg=cfg, impl=impl).float()]
+        else:
+            outs, start = [], 0
+            for e, n in enumerate(counts):
+                if n:
+                    outs.append(expert(x_TD[tok[start:start + n]], experts[e], wts[start:start + n, None],
+                                       cfg=cfg, mode=mode, fake=fake_routed, impl=impl).float())
+                    start += n
         # ... then back to [T, K] slots, each token's K outputs added in ascending expert order
         slot_out = torch.cat(outs).new_empty(flat_e.shape[0], x_TD.shape[1])
         slot_out = slot_out.index_copy(0, order, torch.cat(outs)).view(-1, K, x_TD.shape[1])

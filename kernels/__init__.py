@@ -25,7 +25,7 @@ class Unsupported(ValueError):
     torch reference instead; ``impl="tilelang"`` lets it propagate."""
 
 
-OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn", "hc_split_sinkhorn",
+OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "fp4_gemm_grouped", "sparse_attn", "hc_split_sinkhorn",
        "index_scores", "index_topk", "index_candidates")
 IMPLS = ("auto", "torch", "tilelang")
 
@@ -116,6 +116,7 @@ act_quant = _dispatcher("act_quant")
 fp4_act_quant = _dispatcher("fp4_act_quant")
 fp8_gemm = _dispatcher("fp8_gemm")
 fp4_gemm = _dispatcher("fp4_gemm")
+fp4_gemm_grouped = _dispatcher("fp4_gemm_grouped")
 sparse_attn = _dispatcher("sparse_attn")
 hc_split_sinkhorn = _dispatcher("hc_split_sinkhorn")
 index_scores = _dispatcher("index_scores")

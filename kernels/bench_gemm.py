@@ -106,32 +106,37 @@ def gemm_wrapper(results, args):
 
 
 # Small-M (decode) fp8 GEMM candidates: 64-row tiles (one consumer warpgroup) and narrow N tiles, so that a
-# 5120-wide output spreads over more of the 132 SMs than the default's 27 CTAs (N / 192).
+# 5120-wide output spreads over more of the 132 SMs than the ping-pong's 27 CTAs (N / 192). The first is
+# fp8_gemm_tl.SMALL_CFG, the default up to SMALL_M rows since run 26.
 GEMM_SMALL_CFGS = [dict(kernel="loop", BM=64, BN=64, threads=128, stages=4),
                    dict(kernel="loop", BM=64, BN=128, threads=128, stages=4),
                    dict(kernel="loop", BM=64, BN=32, threads=128, stages=6)]
+FP4_SMALL_CFGS = [dict(), dict(BM=64, BN=64, threads=128, stages=4)]
 
 
 def gemm_small(results, args):
-    """fp8 GEMM at decode sizes (M = 1, 16, 64; K = 5120): the default against GEMM_SMALL_CFGS. These shapes are
-    bound by reading B (N x K fp8 bytes), so GB/s counts B's bytes and the note gives the cosine difference
-    from the default kernel's output."""
+    """Block-scaled GEMMs at small and middle M, where the kernel choice depends on M (``default_config``).
+    fp8 (M = 1 ... 512, K = 5120): the ping-pong against GEMM_SMALL_CFGS; up to M = 64 bound by reading B
+    (N x K fp8 bytes), so GB/s counts B's bytes; the note gives the cosine difference from the ping-pong's
+    output. fp4 (M = 64 ... 1024): the block-scaled loop (FP4_SMALL_CFGS) against the bf16 path. The
+    "end to end" rows are the wrappers with no options (what the model runs), host work included."""
     from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     for N in (5120, 2304):
         K = 5120
         b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
         sb = fg._col_scales(b_s, N)
         wb = torch.randn(N, K, device="cuda").bfloat16()
-        for M in (1, 16, 64):
-            print(f"-- fp8 GEMM, decode size M={M} N={N} K={K}", flush=True)
+        for M in (1, 16, 64, 128, 256, 512):
+            print(f"-- fp8 GEMM, small M={M} N={N} K={K}", flush=True)
             a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
             sa = fg._scales(a_s)
             fl, by = 2 * M * N * K, N * K
             k0 = fg.fp8_gemm_pingpong_kernel(N, K)
             ref = k0(a, sa, b, sb).float()
-            results.append(row(f"M={M} default (ping-pong BN=192)", bench(lambda: k0(a, sa, b, sb)), fl, by))
-            for cfg in [dict(c, swizzle128=sw) for c in GEMM_SMALL_CFGS for sw in (False, True)]:
+            results.append(row(f"M={M} ping-pong BN=192", bench(lambda: k0(a, sa, b, sb)), fl, by))
+            for cfg in GEMM_SMALL_CFGS:
                 kc = dict(cfg)
                 kc.pop("kernel")
                 name = f"M={M} loop {json.dumps(kc, separators=(',', ':'))}"
@@ -142,8 +147,31 @@ def gemm_small(results, args):
                     results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by, note=f"cos diff {cd:.1e}"))
                 except Exception as e:
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results.append(row(f"M={M} fp8_gemm end to end ({fg.default_config(M, K)['kernel']})",
+                               bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl, by))
             xb = torch.randn(M, K, device="cuda").bfloat16()
             results.append(row(f"M={M} peer: bf16 matmul (torch, 2x the bytes)", bench(lambda: xb @ wb.t()), fl, 2 * by))
+    for (N, K) in [(2304, 5120), (5120, 2304)]:
+        b, b_s = Q.quant_fp4(torch.randn(N, K, device="cuda") * 0.02)
+        for M in (64, 256, 512, 768, 1024):
+            print(f"-- fp4 GEMM, small M={M} N={N} K={K}", flush=True)
+            a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+            sa, bp, sb = f4.operands(a_s, b, b_s, K)
+            fl = 2 * M * N * K
+            ref = f4.fp4_gemm(a, a_s, b, b_s, kernel="loop").float()
+            for cfg in FP4_SMALL_CFGS:
+                name = f"M={M} fp4 loop {json.dumps(cfg, separators=(',', ':'))}"
+                try:
+                    k = f4.fp4_gemm_kernel(N, K, **cfg)
+                    out = k(a, sa, bp, sb).float()
+                    cd = float(1 - torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
+                    results.append(row(name, bench(lambda: k(a, sa, bp, sb)), fl, note=f"cos diff {cd:.1e}"))
+                except Exception as e:
+                    print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results.append(row(f"M={M} fp4 bf16 path end to end", bench(lambda: f4.fp4_gemm(a, a_s, b, b_s, kernel="bf16")), fl))
+            results.append(row(f"M={M} fp4 loop end to end", bench(lambda: f4.fp4_gemm(a, a_s, b, b_s, kernel="loop")), fl))
+            results.append(row(f"M={M} fp4_gemm end to end ({f4.default_config(M)['kernel']})",
+                               bench(lambda: f4.fp4_gemm(a, a_s, b, b_s)), fl))
 
 
 # Each row: TileLang's own shared layout for the A/B tiles (four 32-byte-swizzled [rows, 32] panels, four
@@ -189,7 +217,7 @@ def gemm_wide(results, args):
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         _bf16_path_rows(results, "fp8", lambda: fg.fp8_gemm(a, a_s, b, b_s, kernel="bf16"),
                         lambda: dequant_bf16(a, a_s, "e4m3"), lambda: dequant_bf16(b, b_s, "e4m3", row_rep=32),
-                        fg.fp8_gemm(a, a_s, b, b_s), M, N, K)
+                        fg.fp8_gemm(a, a_s, b, b_s, kernel="pingpong"), M, N, K)
     from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
     for (M, N, K) in [(4096, 2304, 5120), (4096, 5120, 2304), (256, 2304, 5120), (1024, 2304, 5120)]:
         print(f"-- fp4 GEMM shared layout M={M} N={N} K={K}", flush=True)
@@ -211,7 +239,7 @@ def gemm_wide(results, args):
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         _bf16_path_rows(results, "fp4", lambda: f4.fp4_gemm(a, a_s, b, b_s, kernel="bf16"),
                         lambda: dequant_bf16(a, a_s, "e4m3"), lambda: dequant_bf16(b, b_s, "e2m1"),
-                        f4.fp4_gemm(a, a_s, b, b_s), M, N, K)
+                        f4.fp4_gemm(a, a_s, b, b_s, kernel="loop"), M, N, K)
 
 
 def _bf16_path_rows(results, what, e2e, deq_a, deq_b, ref, M, N, K):
@@ -261,7 +289,7 @@ def fp4_gemms(results, args):
                 results.append(row(name, bench(lambda: k(a, sa, bp, sb)), fl, by))
             except Exception as e:
                 print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        results.append(row("fp4_gemm end-to-end (scale conversion incl.)",
+        results.append(row(f"fp4_gemm end to end ({f4.default_config(M)['kernel']}, scale conversion incl.)",
                            bench(lambda: f4.fp4_gemm(a, a_s, b, b_s)), fl, by))
         b8, b8_s = Q.quant_fp8_block(w)
         results.append(row("peer: fp8_gemm tilelang, fp8 weights (e2e)",

@@ -76,6 +76,36 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     return _block_scaled_gemm(a.float(), a_s32, w, _scales_to_float(b_s), 32, out_dtype)
 
 
+def check_groups(a: torch.Tensor, b, b_s, counts, what: str) -> list[int]:
+    """Validate a grouped GEMM's groups: ``counts`` [G] non-negative ints summing to a's rows, ``b`` / ``b_s``
+    G weights (a list, or a tensor stacked on dim 0). Returns counts as ints."""
+    counts = [int(n) for n in counts]
+    G = len(b)
+    if len(b_s) != G or len(counts) != G:
+        raise ValueError(f"{what}: {G} weights, {len(b_s)} scales and {len(counts)} counts; they must agree")
+    if any(n < 0 for n in counts) or sum(counts) != a.shape[0]:
+        raise ValueError(f"{what}: counts must be >= 0 and sum to a's {a.shape[0]} rows, got sum {sum(counts)}")
+    return counts
+
+
+def fp4_gemm_grouped(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, scale_dtype=quant.E8M0,
+                     act_block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The routed experts' GEMM over expert-sorted rows: a e4m3 [S, K] (+ a_s [S, K/act_block_size]) holds G
+    consecutive groups of ``counts[g]`` rows, and group g is multiplied by weight g, ``fp4_gemm(a_g, a_s_g,
+    b[g], b_s[g])``; ``b`` / ``b_s``: G packed e2m1 [N, K/2] weights and their e8m0 [N, K/32] scales, as lists
+    or stacked [G, N, K/2] / [G, N, K/32]. Returns [S, N]; each row exactly as the per-group ``fp4_gemm``."""
+    counts = check_groups(a, b, b_s, counts, "fp4_gemm_grouped")
+    outs, start = [], 0
+    for g, n in enumerate(counts):
+        if n:
+            outs.append(fp4_gemm(a[start:start + n], a_s[start:start + n], b[g], b_s[g], scale_dtype,
+                                 act_block_size, out_dtype))
+            start += n
+    if not outs:
+        return torch.empty(0, b[0].shape[0], dtype=out_dtype, device=a.device)
+    return torch.cat(outs)
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
                 softmax_scale: float, block: int = 64) -> torch.Tensor:
     """Single shared KV head attention over index lists (SPEC §10.5).

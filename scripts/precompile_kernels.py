@@ -10,6 +10,7 @@ the set of compiled kernels, which is printed (a kernel already in the cache loa
     source scripts/local_tilelang_env.sh
     .venv/bin/python scripts/precompile_kernels.py release-layers --seq 1024 4096
     .venv/bin/python scripts/precompile_kernels.py train-gpu
+    .venv/bin/python scripts/precompile_kernels.py gemm       # tests/test_gpu_gemm.py + the GEMM bench sections
 """
 from __future__ import annotations
 
@@ -116,9 +117,78 @@ def train_gpu():
                                                forward_kwargs={"impl": "auto"})[0])(tr)
 
 
+def gemm():
+    """The block-scaled GEMMs of tests/test_gpu_gemm.py (its shape and configuration lists) and of the bench's
+    "gemmwide" / "gemmsmall" sections, through the wrappers (so each wrapper's own kernel choice is compiled)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import test_gpu_gemm as t
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels import bench_gemm as bg
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4, fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang._gemm import dequant_bf16
+
+    def fp8(M, N, K, **cfg):
+        a, a_s = Q.act_quant(torch.randn(M, K).bfloat16(), 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K) * 0.02)
+        try:
+            fg.fp8_gemm(a, a_s, b, b_s, **cfg)
+        except ValueError as e:         # the tests' expected refusals (e.g. the ping-pong at K % 128)
+            print(f"  refused {M}x{N}x{K} {cfg}: {e}")
+
+    def fp4(M, N, K, act_block=32, **cfg):
+        a, a_s = Q.act_quant(torch.randn(M, K).bfloat16(), act_block, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp4(torch.randn(N, K) * 0.02)
+        f4.fp4_gemm(a, a_s, b, b_s, act_block_size=act_block, **cfg)
+
+    for shape in t.GEMM_SHAPES:
+        for cfg in [{}] + t.FP8_CFGS:
+            fp8(*shape, **cfg)
+    for shape in [(300, 5120, 2304), (4096, 5120, 5120)]:
+        for cfg in t.FP8_WIDE_CFGS:
+            fp8(*shape, **cfg)
+    for shape in [(1000, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
+        for cfg in t.FP8_WS_RELEASE_CFGS:
+            fp8(*shape, **cfg)
+    for shape in [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120)]:
+        for cfg in t.FP8_SW128_CFGS:
+            for sw in (False, True):
+                fp8(*shape, **cfg, swizzle128=sw)
+    fp8(6, 256, 512)
+    for shape in t.FP4_GEMM_SHAPES:
+        for cfg in [{}, dict(kernel="loop"), dict(kernel="bf16")] + t.FP4_CFGS:
+            fp4(*shape, **cfg)
+    for shape in [(300, 5120, 2304), (4096, 2304, 5120)]:
+        for cfg in t.FP4_WIDE_CFGS:
+            fp4(*shape, **cfg)
+    for shape in [(300, 5120, 2304), (1000, 2304, 5120)]:
+        for cfg in [dict(kernel="loop"), dict(BN=128, async_promote=True)]:
+            for sw in (False, True):
+                fp4(*shape, **cfg, swizzle128=sw)
+    fp4(6, 256, 512, act_block=128)
+    for shape in [(5, 70, 96), (300, 5120, 2304), (1000, 2304, 5120)]:
+        fp8(*shape, kernel="bf16")
+    for rows, K in [(70, 96), (300, 2304), (1000, 5120)]:
+        b, b_s = Q.quant_fp8_block(torch.randn(rows, K))
+        dequant_bf16(b, b_s, "e4m3", row_rep=32)
+    for M in (fg.SMALL_M, fg.SMALL_M + 1):
+        fp8(M, 2304, 5120)
+    for M in (f4.BF16_MIN_M - 1, f4.BF16_MIN_M):
+        fp4(M, 2304, 5120)
+    # bench: gemmsmall's kernels (launched directly there) and gemmwide's
+    for N in (5120, 2304):
+        fg.fp8_gemm_pingpong_kernel(N, 5120)
+        for cfg in bg.GEMM_SMALL_CFGS:
+            fg.fp8_gemm_kernel(N, 5120, **{k: v for k, v in cfg.items() if k != "kernel"})
+    for (N, K) in [(2304, 5120), (5120, 2304)]:
+        for cfg in bg.FP4_SMALL_CFGS:
+            f4.fp4_gemm_kernel(N, K, **cfg)
+        fp4(64, N, K, kernel="bf16")
+        fp4(64, N, K, kernel="loop")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["release-layers", "train-gpu"])
+    ap.add_argument("what", choices=["release-layers", "train-gpu", "gemm"])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     args = ap.parse_args(argv)
     if "DSV41_TL_TARGET" not in os.environ:
@@ -127,6 +197,8 @@ def main(argv=None):
     t = time.perf_counter()
     if args.what == "release-layers":
         release_layers(args.seq)
+    elif args.what == "gemm":
+        gemm()
     else:
         train_gpu()
     print(f"{len(COMPILED)} kernels compiled or loaded from the cache in {time.perf_counter() - t:.0f} s")

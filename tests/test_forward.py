@@ -107,6 +107,24 @@ def test_moe_sorted_and_dense_dispatch_agree():
     assert torch.equal(a.logits, b.logits)
 
 
+def test_moe_grouped_experts_equal_the_per_expert_loop(monkeypatch):
+    """fp4 routed experts in reference mode run as grouped GEMMs (moe.experts_grouped): the logits are bitwise
+    those of one expert call per active expert, and of the dense dispatch."""
+    from functional_dsv41 import moe
+    cfg, params = random_model(seed=2, dtype="fp8", expert_dtype="fp4")
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(4))
+    calls = []
+    real = moe.experts_grouped
+    monkeypatch.setattr(moe, "experts_grouped", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    grouped = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="reference").logits
+    assert calls and max(calls) > 1                 # several experts per grouped call
+    monkeypatch.setattr(moe, "_grouped_ok", lambda ps, mode: False)
+    looped = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="reference").logits
+    assert torch.equal(grouped, looped)
+    dense = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="reference", dispatch="dense").logits
+    assert torch.equal(grouped, dense)
+
+
 def test_fp8_random_model_runs_in_both_linear_modes():
     from functional_dsv41.linear import linear
     cfg, params = random_model(seed=2, dtype="fp8", expert_dtype="fp4")

@@ -125,21 +125,22 @@ def test_fp8_gemm_swizzle128_bitwise_equal(shape, cfg):
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     a, a_s, b, b_s = _fp8_operands(*shape, seed=3)
     c128 = fg.fp8_gemm(a, a_s, b, b_s, **cfg, swizzle128=True)
-    c = fg.fp8_gemm(a, a_s, b, b_s, **cfg)
-    assert torch.equal(c128, c), f"swizzle128 differs from the default layout at {int((c128 != c).sum())} elements"
+    c = fg.fp8_gemm(a, a_s, b, b_s, **cfg, swizzle128=False)
+    assert torch.equal(c128, c), f"swizzle128 differs from the narrow layout at {int((c128 != c).sum())} elements"
     _check_close(c128, K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 swizzle128 {shape} {cfg}")
 
 
 def test_swizzle128_layout_in_generated_code():
     """The layout switch reaches the generated CUDA: 128-byte-swizzle WGMMA descriptors (layout type 1) advanced
-    32 bytes per k = 32 slice, one TMA box per operand tile; without it, 32-byte swizzle (type 3) panels."""
+    32 bytes per k = 32 slice, one TMA box per operand tile (the default at BK = 128); without it, 32-byte swizzle
+    (type 3) panels."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    src = fg.fp8_gemm_pingpong_kernel(5120, 5120, swizzle128=True).get_kernel_source()
+    src = fg.fp8_gemm_pingpong_kernel(5120, 5120).get_kernel_source()
     assert "initialize_wgmma_descriptor<1, 1, 64>" in src and "(kk * 32)" in src
     assert "initialize_wgmma_descriptor<3," not in src
     assert src.count("tma_load(A_desc") == 1 and src.count("tma_load(Bm_desc") == 1
-    src0 = fg.fp8_gemm_pingpong_kernel(5120, 5120).get_kernel_source()
+    src0 = fg.fp8_gemm_pingpong_kernel(5120, 5120, swizzle128=False).get_kernel_source()
     assert "initialize_wgmma_descriptor<3, 1, 16>" in src0
 
 
@@ -210,7 +211,7 @@ def test_fp4_gemm_wide(shape, cfg):
     _check_close(f4.fp4_gemm(a, a_s, b, b_s, **cfg), K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 {shape} {cfg}")
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(BN=128, async_promote=True)], ids=_cfg_id)
+@pytest.mark.parametrize("cfg", [dict(kernel="loop"), dict(BN=128, async_promote=True)], ids=_cfg_id)
 @pytest.mark.parametrize("shape", [(300, 5120, 2304), (1000, 2304, 5120)], ids=lambda s: "x".join(map(str, s)))
 def test_fp4_gemm_swizzle128_bitwise_equal(shape, cfg):
     """The converted e4m3 B tile and the A tile 128-byte swizzled (the threads' fp4 -> e4m3 stores follow the
@@ -219,7 +220,7 @@ def test_fp4_gemm_swizzle128_bitwise_equal(shape, cfg):
     from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
     a, a_s, b, b_s = _fp4_gemm_operands(*shape, seed=3)
     c128 = f4.fp4_gemm(a, a_s, b, b_s, **cfg, swizzle128=True)
-    assert torch.equal(c128, f4.fp4_gemm(a, a_s, b, b_s, **cfg))
+    assert torch.equal(c128, f4.fp4_gemm(a, a_s, b, b_s, **cfg, swizzle128=False))
     _check_close(c128, K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 swizzle128 {shape} {cfg}")
 
 
@@ -268,3 +269,37 @@ def test_auto_picks_tilelang_fp4_gemm():
     _need_tilelang()
     from functional_dsv41.kernels import tilelang as tl
     assert K.resolve("fp4_gemm", "auto", on_cuda=True) is tl.fp4_gemm
+
+
+def test_default_config_by_rows():
+    """With no options the wrappers pick by M: the fp8 small-tile loop up to SMALL_M rows, the ping-pong above
+    (the loop where K % 128); fp4's bf16 path from BF16_MIN_M rows, the block-scaled loop below. Each pick is
+    checked by value (bitwise the explicitly named kernel's output) and against the torch reference."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    assert fg.default_config(fg.SMALL_M, 5120) == fg.SMALL_CFG
+    assert fg.default_config(fg.SMALL_M + 1, 5120) == dict(kernel="pingpong")
+    assert fg.default_config(fg.SMALL_M + 1, 96) == dict(kernel="loop")
+    assert f4.default_config(f4.BF16_MIN_M) == dict(kernel="bf16")
+    assert f4.default_config(f4.BF16_MIN_M - 1) == dict(kernel="loop")
+    for M, want in [(fg.SMALL_M, fg.SMALL_CFG), (fg.SMALL_M + 1, dict(kernel="pingpong"))]:
+        a, a_s, b, b_s = _fp8_operands(M, 2304, 5120, seed=6)
+        c = K.fp8_gemm(a, a_s, b, b_s, impl="tilelang")
+        assert torch.equal(c, fg.fp8_gemm(a, a_s, b, b_s, **want)), (M, want)
+        _check_close(c, K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 default M={M}")
+    for M, want in [(f4.BF16_MIN_M - 1, "loop"), (f4.BF16_MIN_M, "bf16")]:
+        a, a_s, b, b_s = _fp4_gemm_operands(M, 2304, 5120, seed=6)
+        c = K.fp4_gemm(a, a_s, b, b_s, impl="tilelang")
+        assert torch.equal(c, f4.fp4_gemm(a, a_s, b, b_s, kernel=want)), (M, want)
+        _check_close(c, K.fp4_gemm(a, a_s, b, b_s, impl="torch"), f"fp4 default M={M}")
+
+
+def test_gemm_kernel_option_errors():
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    a, a_s, b, b_s = _fp4_gemm_operands(8, 256, 512)
+    with pytest.raises(ValueError, match="kernel must be 'loop' or 'bf16'"):
+        f4.fp4_gemm(a, a_s, b, b_s, kernel="pingpong")
+    with pytest.raises(ValueError, match="bf16 path takes no kernel options"):
+        f4.fp4_gemm(a, a_s, b, b_s, kernel="bf16", BN=128)

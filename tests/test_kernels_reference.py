@@ -124,3 +124,38 @@ def test_auto_falls_back_on_unsupported(monkeypatch):
     monkeypatch.setattr(K, "resolve", lambda name, impl=None, on_cuda=True: broken)
     with pytest.raises(RuntimeError, match="launch failed"):
         K.sparse_attn(q, kv, sink, idx, 0.25, impl="auto")
+
+
+def _fp4_groups(counts, N=64, K=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, a_s = Q.act_quant(torch.randn(sum(counts), K, generator=g).bfloat16(), 32, "ue8m0", Q.E8M0)
+    ws = [Q.quant_fp4(torch.randn(N, K, generator=g) * 0.05) for _ in counts]
+    return a, a_s, [w for w, _ in ws], [s for _, s in ws]
+
+
+def test_fp4_gemm_grouped_is_the_per_group_gemm():
+    """Group g's rows times weight g, empty groups included, weights as a list or stacked: bitwise the
+    per-group fp4_gemm."""
+    counts = [3, 0, 5, 1, 0]
+    a, a_s, b, b_s = _fp4_groups(counts)
+    c = K.fp4_gemm_grouped(a, a_s, b, b_s, counts, impl="torch")
+    assert c.shape == (9, 64) and c.dtype == torch.bfloat16
+    start = 0
+    for g, n in enumerate(counts):
+        assert torch.equal(c[start:start + n], K.fp4_gemm(a[start:start + n], a_s[start:start + n], b[g], b_s[g],
+                                                          impl="torch"))
+        start += n
+    assert torch.equal(K.fp4_gemm_grouped(a, a_s, torch.stack(b), torch.stack(b_s), torch.tensor(counts),
+                                          impl="torch"), c)
+
+
+def test_fp4_gemm_grouped_rejects_bad_groups():
+    a, a_s, b, b_s = _fp4_groups([2, 3])
+    with pytest.raises(ValueError, match="sum to a's 5 rows"):
+        K.fp4_gemm_grouped(a, a_s, b, b_s, [2, 2], impl="torch")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        K.fp4_gemm_grouped(a, a_s, b, b_s, [6, -1], impl="torch")
+    with pytest.raises(ValueError, match="2 weights, 2 scales and 3 counts"):
+        K.fp4_gemm_grouped(a, a_s, b, b_s, [2, 3, 0], impl="torch")
+    with pytest.raises(ValueError, match="2 weights, 1 scales"):
+        K.fp4_gemm_grouped(a, a_s, b, b_s[:1], [2, 3], impl="torch")

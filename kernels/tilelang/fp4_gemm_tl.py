@@ -55,10 +55,13 @@ __device__ __forceinline__ void dsv41_fp4x8_to_e4m3(const void* src, void* dst) 
 @functools.lru_cache(maxsize=None)
 def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 3,
                     threads: int = 256, async_promote: bool = False, swizzle: int = 8,
-                    swizzle128: bool = False):
+                    swizzle128: bool | None = None):
     """The compiled kernel for one (N, K) and configuration; BM = 64 rows per consumer warpgroup
     (``threads = 2 * BM``). Defaults = the fp8 GEMM's tile (BN=192, sync promotion), 3 stages (the run-10
-    measurement; the converted b_s tile adds shared memory per stage)."""
+    measurement; the converted b_s tile adds shared memory per stage). ``swizzle128`` (default where BK = 128):
+    the A and B stage tiles in one 128-byte-swizzled layout (run 26: 310 / 289 TFLOP/s against 292 / 277,
+    bitwise-equal output)."""
+    swizzle128 = BK == 128 if swizzle128 is None else swizzle128
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
     assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
@@ -129,20 +132,41 @@ def operands(a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, K: int, act_
     return sa, b.contiguous().view(torch.uint8), sb
 
 
+# Rows from which the bf16 path replaces the block-scaled kernel (run 26, N = 2304, K = 5120: 0.085 ms against
+# 0.111 at M = 1024, 0.177 against 0.312 at 4096; at M = 256 0.21 against 0.111): e2m1 values need an FMUL
+# and an FFMA per element to reach the fp8 WGMMA (``promote_loop(per_col=True)``), while their exact bf16 copy
+# feeds cuBLAS's bf16 GEMM at ~750 TFLOP/s; below it the dequantisation of B (N x K, fixed) dominates.
+BF16_MIN_M = 1024
+
+
+def default_config(M: int) -> dict:
+    """The path ``fp4_gemm`` takes for M rows when the caller names none: "bf16" from ``BF16_MIN_M`` rows,
+    else the block-scaled kernel ("loop")."""
+    return dict(kernel="bf16" if M >= BF16_MIN_M else "loop")
+
+
 def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, act_block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
-    """Same contract as ``reference.fp4_gemm`` (act_block_size a multiple of 32)."""
+    """Same contract as ``reference.fp4_gemm`` (act_block_size a multiple of 32). ``kernel``: "loop"
+    (``fp4_gemm_kernel``; other cfg keys go to it) or "bf16" (both operands dequantised exactly to bf16, then
+    torch's bf16 matmul); with no cfg at all ``default_config`` picks by the number of rows."""
     K = a.shape[-1]
     N = b.shape[0]
     if b.shape[-1] * 2 != K or K % 32 or act_block_size % 32:
         raise ValueError(f"fp4_gemm (tilelang): a has K={K}, b has K={b.shape[-1] * 2}, act block {act_block_size}")
     lead = a.shape[:-1]
     a2 = a.reshape(-1, K).contiguous()
-    if cfg.get("kernel") == "bf16":     # exact bf16 operands (dequant_bf16), then torch's bf16 matmul (cuBLAS)
+    if not cfg:
+        cfg = default_config(a2.shape[0])
+    kernel = cfg.pop("kernel", "loop")
+    if kernel == "bf16":                # exact bf16 operands (dequant_bf16), then torch's bf16 matmul (cuBLAS)
+        if cfg:
+            raise ValueError(f"fp4_gemm (tilelang): the bf16 path takes no kernel options, got {sorted(cfg)}")
         ab = dequant_bf16(a2, a_s.reshape(-1, K // act_block_size), "e4m3", kblock=act_block_size)
         c = torch.mm(ab, dequant_bf16(b, b_s, "e2m1").t())
         return c.reshape(*lead, N).to(out_dtype)
-    cfg.pop("kernel", None)
+    if kernel != "loop":
+        raise ValueError(f"fp4_gemm (tilelang): kernel must be 'loop' or 'bf16', got {kernel!r}")
     sa, bp, sb = operands(a_s, b, b_s, K, act_block_size)
     bk = cfg.pop("BK", _pick_bk(K))
     kern = fp4_gemm_kernel(N, K, BK=bk, **cfg)

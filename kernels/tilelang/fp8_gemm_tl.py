@@ -49,10 +49,14 @@ BF16, F32, FP8 = "bfloat16", "float32", "float8_e4m3fn"
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 4,
-                    threads: int = 256, async_promote: bool = False, swizzle: int = 8, swizzle128: bool = False):
+                    threads: int = 256, async_promote: bool = False, swizzle: int = 8,
+                    swizzle128: bool | None = None):
     """The compiled kernel for one (N, K) and configuration; BM = 64 rows per consumer warpgroup
     (``threads = 2 * BM``). Defaults = the measured best (run 10, H200: BN=192 sync promotion 549
-    TFLOP/s at 4096x5120x5120; stages=3 equal there, 555 vs 541 at N=2304)."""
+    TFLOP/s at 4096x5120x5120; stages=3 equal there, 555 vs 541 at N=2304; run 26 with ``swizzle128``: 582 /
+    591). ``swizzle128`` (default: where BK = 128): the A and B stage tiles in one 128-byte-swizzled layout
+    (``_common._install_wide_swizzle``; bitwise-equal output)."""
+    swizzle128 = BK == 128 if swizzle128 is None else swizzle128
     M = T.dynamic("M")
     KB, SB = K // 32, BK // 32
     assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
@@ -147,10 +151,12 @@ def _stage_macros(W: int, BM: int, BN: int, BK: int, SB: int, stages: int, clust
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 2, swizzle: int = 8,
-                             nreg: tuple = (240, 24), swizzle128: bool = False,
-                             early_sp: bool = False):
+                             nreg: tuple = (240, 24), swizzle128: bool | None = None,
+                             early_sp: bool = True):
     """The warp-specialised ping-pong kernel (384 threads, BM = 128). Defaults = the measured best (run 11:
-    2 stages 569 / 584 / 522 TFLOP/s, 3 stages 560 / 559 / 521, BN=128 467 / 418 / 438).
+    2 stages 569 / 584 / 522 TFLOP/s, 3 stages 560 / 559 / 521, BN=128 467 / 418 / 438; run 26, with the
+    128-byte-swizzled stage tiles (``swizzle128``, default where BK = 128) and the scale products computed
+    while the slice's WGMMA runs (``early_sp``): 604 / 627 / 567, against 569 / 583 / 519 without either).
 
     * warpgroup 2, the producer (``nreg[1]`` registers), TMA-loads A [128, BK], B [BN, BK] and their fp32
       scales into ring stage k % stages (``full[s]``: 128 arrivals + the TMA bytes) once both consumers
@@ -165,6 +171,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     completes after having waited phase g, so no barrier runs a phase ahead of its waiter.
     TMA needs K and BK multiples of 128 (a [rows, BK/32] fp32 scale box of >= 16 bytes a row).
     """
+    swizzle128 = BK == 128 if swizzle128 is None else swizzle128
     M = T.dynamic("M")
     BM, HALF, NC = 128, 64, BN // 32
     KB, SB, NK = K // 32, BK // 32, K // BK
@@ -265,7 +272,7 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
 def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: int = 128, stages: int = 3,
                        double_tmp: bool = False, swizzle: int = 8, nreg: tuple = (160, 24), store: str = "auto",
                        persistent: int = 0, group: int = 8, diag: str = "", cluster: int = 1,
-                       swizzle128: bool = False):
+                       swizzle128: bool | None = None):
     """The warp-specialised kernel without turn-taking (``128 * (consumers + 1)`` threads, BM = 64 * consumers).
 
     * the last warpgroup, the producer (``nreg[1]`` registers), TMA-loads A [BM, BK], B [BN, BK] and their fp32
@@ -311,6 +318,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
         mbarriers) and at the very end (the peer's last remote arrivals land before this CTA exits).
     Needs ceil(N / BN) even and no ``persistent``.
     """
+    swizzle128 = BK == 128 if swizzle128 is None else swizzle128     # as in fp8_gemm_pingpong_kernel
     M = T.dynamic("M")
     W, NC = 64, BN // 32
     if diag not in ("", "no_promote", "no_wait") or (diag and double_tmp):
@@ -538,11 +546,28 @@ def _pick_bk(K: int) -> int:
     raise ValueError(f"fp8_gemm (tilelang): K={K} is not a multiple of 32")
 
 
+# Rows up to which the small-tile loop replaces the ping-pong (run 26, M = 1 / 16 / 64 at N = 5120 and 2304,
+# K = 5120: 0.024-0.025 ms against 0.056-0.058; the ping-pong's 128 x 192 tiles give 27 CTAs for 132 SMs).
+SMALL_M = 64
+SMALL_CFG = dict(kernel="loop", BM=64, BN=64, threads=128, stages=4)
+
+
+def default_config(M: int, K: int) -> dict:
+    """The kernel ``fp8_gemm`` runs for M rows of depth K when the caller names none: the small-tile loop up to
+    ``SMALL_M`` rows (decode; B-read bound, so more, narrower CTAs), else the ping-pong where K is a multiple
+    of 128 (its TMA boxes need it), else the pipelined loop."""
+    if M <= SMALL_M:
+        return dict(SMALL_CFG)
+    return dict(kernel="pingpong" if K % 128 == 0 else "loop")
+
+
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
-    """Same contract as ``reference.fp8_gemm`` (block_size 32 only). ``kernel``: "pingpong" (default where K
-    is a multiple of 128), "ws" (``fp8_gemm_ws_kernel``, K a multiple of 128; ``persistent=True`` = one CTA per
-    SM; ``cluster=2`` = 2-CTA clusters multicasting the A tile, ceil(N/BN) even) or "loop" (``fp8_gemm_kernel``, any K multiple of 32); other cfg keys go to it."""
+    """Same contract as ``reference.fp8_gemm`` (block_size 32 only). With no cfg at all ``default_config`` picks
+    the kernel by M and K; options without ``kernel`` go to the ping-pong (the loop where K % 128). ``kernel``: "pingpong" (``fp8_gemm_pingpong_kernel``, K a multiple of 128), "ws"
+    (``fp8_gemm_ws_kernel``, K a multiple of 128; ``persistent=True`` = one CTA per SM; ``cluster=2`` = 2-CTA
+    clusters multicasting the A tile, ceil(N/BN) even), "loop" (``fp8_gemm_kernel``, any K multiple of 32) or
+    "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel."""
     if block_size != 32:
         raise NotImplementedError("fp8_gemm (tilelang): block_size 32 only")
     K = a.shape[-1]
@@ -550,6 +575,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     lead = a.shape[:-1]
     a2 = a.reshape(-1, K).contiguous()
     sa = _scales(a_s).reshape(-1, K // 32)
+    if not cfg:
+        cfg = default_config(a2.shape[0], K)
     kernel = cfg.pop("kernel", "pingpong" if K % 128 == 0 else "loop")
     if kernel == "bf16":                # exact bf16 operands (dequant_bf16), then torch's bf16 matmul (cuBLAS)
         ab = dequant_bf16(a2, a_s.reshape(-1, K // 32), "e4m3")
