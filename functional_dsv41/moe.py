@@ -82,7 +82,8 @@ def _grouped_ok(ps: list[dict], mode: str) -> bool:
 def experts_grouped(x_SD: torch.Tensor, ps: list[dict], w_S1: torch.Tensor, counts: list[int], *, cfg: Config,
                     impl: str | None = None) -> torch.Tensor:
     """The routed experts over expert-sorted rows, one grouped GEMM per projection: x [S, D] bf16 holds
-    ``counts[g]`` consecutive rows for expert ``ps[g]``, routing weights w [S, 1] fp32 -> [S, D] bf16. Row by row
+    ``counts[g]`` consecutive rows for expert ``ps[g]`` (0 for an idle expert), routing weights w [S, 1] fp32
+    -> [S, D] bf16. Row by row
     what ``expert`` computes (the activations are quantised per row, so quantising all rows at once changes
     nothing), in 2 act_quants and 3 ``fp4_gemm_grouped`` calls instead of 5 launches-heavy calls per expert."""
     def gemm(name, a, a_s):
@@ -92,6 +93,56 @@ def experts_grouped(x_SD: torch.Tensor, ps: list[dict], w_S1: torch.Tensor, coun
     y = _swiglu(gemm("w1", xq, xs).float(), gemm("w3", xq, xs).float(), w_S1, cfg)
     yq, ys = kernels.act_quant(y.to(x_SD.dtype).to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
     return gemm("w2", yq, ys)
+
+
+_PROJ = ("w1", "w2", "w3")
+
+
+def pack_experts(params, *, inplace: bool = False):
+    """The tree with each MoE layer's fp4 routed experts re-homed so that, per projection and tensor (weight,
+    scale), the E experts' tensors are equally spaced views of one [E, ...] buffer. Values, names, shapes and
+    dtypes are unchanged (the checkpoint layout stays per expert); the TileLang grouped GEMM
+    (``kernels.fp4_gemm_grouped``) then reads the experts in place instead of stacking a copy per call.
+    Projections whose experts are not fp4 or differ in shape or device are left as they are.
+    ``inplace=False``: a new tree (the input is unchanged; both hold the experts until the input is dropped);
+    ``inplace=True``: the input's expert dicts are updated, so each projection's old tensors are freed as soon
+    as it is packed (``init_params`` / ``load_params``, which own their trees)."""
+    def pack_list(experts):
+        if not experts or not all(isinstance(e, dict) and all(isinstance(e.get(n), dict) for n in _PROJ)
+                                  for e in experts):
+            return experts
+        out = experts if inplace else [{**e, **{n: dict(e[n]) for n in _PROJ}} for e in experts]
+        for n in _PROJ:
+            if not isinstance(experts[0][n].get("weight"), torch.Tensor) or experts[0][n]["weight"].dtype != quant.FP4X2:
+                continue
+            for leaf in list(experts[0][n]):
+                ts = [e[n].get(leaf) for e in out]
+                t0 = ts[0]
+                if not isinstance(t0, torch.Tensor) or not all(
+                        isinstance(t, torch.Tensor) and t.shape == t0.shape and t.dtype == t0.dtype
+                        and t.device == t0.device for t in ts):
+                    continue
+                buf = torch.stack(ts)
+                del ts, t0
+                for i, e in enumerate(out):
+                    e[n][leaf] = buf[i]
+        return out
+
+    def walk(node):
+        if isinstance(node, dict):
+            new = {k: (pack_list(v) if k == "experts" and isinstance(v, list) else walk(v)) for k, v in node.items()}
+            if inplace:
+                node.update(new)
+                return node
+            return new
+        if isinstance(node, list):
+            new = [walk(v) for v in node]
+            if inplace:
+                node[:] = new
+                return node
+            return new
+        return node
+    return walk(params)
 
 
 def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: torch.Tensor | None = None,
@@ -112,10 +163,8 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
         counts = torch.bincount(flat_e, minlength=len(experts)).tolist()
         tok = order // K
         wts = w_TK.reshape(-1)[order]
-        active = [e for e, n in enumerate(counts) if n]
-        if _grouped_ok([experts[e] for e in active], mode):
-            outs = [experts_grouped(x_TD[tok], [experts[e] for e in active], wts[:, None],
-                                    [counts[e] for e in active], cfg=cfg, impl=impl).float()]
+        if _grouped_ok(experts, mode):
+            outs = [experts_grouped(x_TD[tok], experts, wts[:, None], counts, cfg=cfg, impl=impl).float()]
         else:
             outs, start = [], 0
             for e, n in enumerate(counts):

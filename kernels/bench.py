@@ -17,7 +17,8 @@ import json
 import torch
 
 from ._bench_common import bench, row
-from .bench_gemm import FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, gemm_diag, gemm_small, gemm_wide, gemm_wrapper, gemms
+from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_small, gemm_wide,
+                         gemm_wrapper, gemms)
 
 
 def ceilings(results):
@@ -426,6 +427,7 @@ SECTIONS = {
     "gemmsmall": gemm_small,
     "gemmwide": gemm_wide,
     "fp4gemm": fp4_gemms,
+    "grouped": fp4_grouped,
     "quant": quantizers,
     "fp4hc": fp4_hc,
     "hc": hc_sinkhorn,

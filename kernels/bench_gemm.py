@@ -106,8 +106,8 @@ def gemm_wrapper(results, args):
 
 
 # Small-M (decode) fp8 GEMM candidates: 64-row tiles (one consumer warpgroup) and narrow N tiles, so that a
-# 5120-wide output spreads over more of the 132 SMs than the ping-pong's 27 CTAs (N / 192). The first is
-# fp8_gemm_tl.SMALL_CFG, the default up to SMALL_M rows since run 26.
+# 5120-wide output spreads over more of the 132 SMs than the ping-pong's 27 CTAs (N / 192). The first two are
+# fp8_gemm_tl.SMALL_CFGS (the defaults where their grid fits one wave, since run 27).
 GEMM_SMALL_CFGS = [dict(kernel="loop", BM=64, BN=64, threads=128, stages=4),
                    dict(kernel="loop", BM=64, BN=128, threads=128, stages=4),
                    dict(kernel="loop", BM=64, BN=32, threads=128, stages=6)]
@@ -147,7 +147,7 @@ def gemm_small(results, args):
                     results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by, note=f"cos diff {cd:.1e}"))
                 except Exception as e:
                     print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            results.append(row(f"M={M} fp8_gemm end to end ({fg.default_config(M, K)['kernel']})",
+            results.append(row(f"M={M} fp8_gemm end to end ({json.dumps(fg.default_config(M, N, K))})",
                                bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl, by))
             xb = torch.randn(M, K, device="cuda").bfloat16()
             results.append(row(f"M={M} peer: bf16 matmul (torch, 2x the bytes)", bench(lambda: xb @ wb.t()), fl, 2 * by))
@@ -301,3 +301,52 @@ def fp4_gemms(results, args):
                            bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl))
         wb = w.bfloat16()
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: x @ wb.t()), fl))
+
+
+# Grouped fp4 GEMM tiles swept by "grouped" (BM x BN; the default, fp4_gemm_tl.GROUPED_BM x GROUPED_BN, first).
+FP4_GROUPED_CFGS = [dict(), dict(BM=64), dict(BN=192), dict(stages=4)]
+
+
+def fp4_grouped(results, args):
+    """The routed experts of one release MoE layer at 4096 tokens: 384 experts, 6 per token (24576 expert rows,
+    ~64 per expert, drawn uniformly at random), w1/w3 (2304 x 5120) and w2 (5120 x 2304). Rows: the grouped
+    kernel alone per tile (weights already stacked), the stacking copy of the 384 weights and scales, the
+    grouped wrapper end to end (stacking included, as the MoE calls it), and the per-expert loop (384
+    ``fp4_gemm`` calls, what the MoE ran before)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    G, T_, KS = 384, args.m, 6
+    e = torch.stack([torch.randperm(G, device="cuda")[:KS] for _ in range(T_)]).flatten()
+    counts = torch.bincount(e, minlength=G).tolist()
+    S = sum(counts)
+    for (N, K) in [(2304, 5120), (5120, 2304)]:
+        print(f"-- fp4 grouped GEMM: {G} experts, {S} rows (min {min(counts)}, max {max(counts)} per expert), "
+              f"N={N} K={K}", flush=True)
+        a, a_s = Q.act_quant(torch.randn(S, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+        ws = [Q.quant_fp4(torch.randn(N, K, device="cuda") * 0.02) for _ in range(G)]
+        b, b_s = [w for w, _ in ws], [s for _, s in ws]
+        fl = 2 * S * N * K
+        bst, bss = torch.stack(b), torch.stack(b_s)
+        by_w = G * N * K // 2 + G * N * K // 32
+        results.append(row("stack the 384 weights + scales (torch.stack)",
+                           bench(lambda: (torch.stack(b), torch.stack(b_s))), None, 2 * by_w))
+        ref = f4.fp4_gemm_grouped(a, a_s, bst, bss, counts).float()
+        for cfg in FP4_GROUPED_CFGS:
+            name = f"grouped kernel {json.dumps(cfg, separators=(',', ':'))}, weights stacked"
+            try:
+                out = f4.fp4_gemm_grouped(a, a_s, bst, bss, counts, **cfg).float()
+                cd = float(1 - torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
+                results.append(row(name, bench(lambda: f4.fp4_gemm_grouped(a, a_s, bst, bss, counts, **cfg)), fl,
+                                   note=f"cos diff {cd:.1e}"))
+            except Exception as ex:
+                print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        results.append(row("grouped end to end (list of weights: stacking included)",
+                           bench(lambda: f4.fp4_gemm_grouped(a, a_s, b, b_s, counts)), fl))
+
+        def loop():
+            start = 0
+            for g, n in enumerate(counts):
+                if n:
+                    f4.fp4_gemm(a[start:start + n], a_s[start:start + n], b[g], b_s[g])
+                start += n
+        results.append(row("per-expert loop (384 fp4_gemm calls)", bench(loop), fl))

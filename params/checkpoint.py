@@ -204,6 +204,9 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
             t = quant.dequant_fp8_block(t, files[where[pre + ".scale"]].tensor(pre + ".scale"), torch.bfloat16)
         flat[name] = t if (mmap_engram and _is_engram_table(name)) else t.clone()
     params = unflatten_from_paths(flat)
+    del flat
+    from functional_dsv41.moe import pack_experts
+    pack_experts(params, inplace=True)          # the fp4 experts of a layer as views of one buffer (moe.py)
     _add_token_map(params, path, cfg, tokenizer)
     return params
 

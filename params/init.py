@@ -85,6 +85,9 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     if torch.device(device).type != "cpu":
         flat = {k: v.to(device) for k, v in flat.items()}
     params = unflatten_from_paths(flat)
+    del flat
+    from functional_dsv41.moe import pack_experts
+    pack_experts(params, inplace=True)          # the fp4 experts of a layer as views of one buffer (moe.py)
     if tokenizer is not None and cfg.engram_layer_ids:
         from functional_dsv41.engram import build_token_map
         params["engram_token_map"] = build_token_map(tokenizer, expected_size=cfg.engram_compressed_vocab_size).to(device)

@@ -170,8 +170,9 @@ def gemm():
     for rows, K in [(70, 96), (300, 2304), (1000, 5120)]:
         b, b_s = Q.quant_fp8_block(torch.randn(rows, K))
         dequant_bf16(b, b_s, "e4m3", row_rep=32)
-    for M in (fg.SMALL_M, fg.SMALL_M + 1):
-        fp8(M, 2304, 5120)
+    for M, N in [(64, 2304), (256, 2304), (512, 2304)]:
+        fp8(M, N, 5120)
+        fp8(M, N, 5120, **fg.default_config(M, N, 5120))
     for M in (f4.BF16_MIN_M - 1, f4.BF16_MIN_M):
         fp4(M, 2304, 5120)
     # bench: gemmsmall's kernels (launched directly there) and gemmwide's
@@ -184,6 +185,11 @@ def gemm():
             f4.fp4_gemm_kernel(N, K, **cfg)
         fp4(64, N, K, kernel="bf16")
         fp4(64, N, K, kernel="loop")
+    # grouped fp4 GEMM: the tests (and the plain kernel at the same tile, which they compare with) and the bench
+    for (N, K) in [(2304, 5120), (5120, 2304), (320, 256)]:
+        fp4(64, N, K, BM=f4.GROUPED_BM, BN=f4.GROUPED_BN, threads=2 * f4.GROUPED_BM)
+        for cfg in bg.FP4_GROUPED_CFGS if N != 320 else [{}]:
+            f4.fp4_gemm_grouped_kernel(N, K, **cfg)
 
 
 def main(argv=None):

@@ -208,3 +208,34 @@ def test_topk_ties_resolve_to_the_lower_index():
     assert torch.equal(_topk_first(y, 37).indices, ref)
     # a shorter row (fewer visible entries) picks the same entries among its own
     assert torch.equal(select_topk(y[..., :200], 37), select_topk(torch.cat([y[..., :200], torch.full_like(y[..., :100], float("-inf"))], -1), 37))
+
+
+def test_pack_experts_views_one_buffer_and_keeps_values():
+    """init_params lays each layer's fp4 experts out as equally spaced views of one buffer per projection and
+    tensor (what the grouped GEMM reads in place); pack_experts on an unpacked tree does the same without
+    changing a value or the input tree; non-fp4 experts are left alone."""
+    from functional_dsv41 import moe
+    from functional_dsv41.pytree import flatten_with_paths, unflatten_from_paths
+    cfg, params = random_model(seed=2, dtype="fp8", expert_dtype="fp4")
+    ex = params["layers"][1]["ffn"]["experts"]
+    for n in ("w1", "w2", "w3"):
+        for leaf in ("weight", "scale"):
+            ts = [e[n][leaf] for e in ex]
+            step = ts[1].data_ptr() - ts[0].data_ptr()
+            assert step == ts[0].numel() * ts[0].element_size()
+            assert all(t.untyped_storage().data_ptr() == ts[0].untyped_storage().data_ptr() and
+                       t.data_ptr() - ts[0].data_ptr() == i * step for i, t in enumerate(ts))
+    flat = {k: v.clone() for k, v in flatten_with_paths(params).items()}      # separate tensors again
+    loose = unflatten_from_paths(flat)
+    packed = moe.pack_experts(loose)
+    w_loose = loose["layers"][1]["ffn"]["experts"][0]["w1"]["weight"]
+    assert w_loose.untyped_storage().nbytes() == w_loose.numel() * w_loose.element_size()   # input unchanged
+    for k, v in flatten_with_paths(packed).items():
+        assert torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                           flat[k].view(torch.uint8) if v.element_size() == 1 else flat[k]), k
+    w = packed["layers"][1]["ffn"]["experts"][1]["w1"]["weight"]
+    assert w.untyped_storage().nbytes() == len(ex) * w.numel() * w.element_size()
+    bf16 = random_model(seed=1)[1]
+    e0 = bf16["layers"][1]["ffn"]["experts"][0]["w1"]["weight"]
+    e0_packed = moe.pack_experts(bf16)["layers"][1]["ffn"]["experts"][0]["w1"]["weight"]
+    assert e0_packed is e0

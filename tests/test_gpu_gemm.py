@@ -272,22 +272,29 @@ def test_auto_picks_tilelang_fp4_gemm():
 
 
 def test_default_config_by_rows():
-    """With no options the wrappers pick by M: the fp8 small-tile loop up to SMALL_M rows, the ping-pong above
-    (the loop where K % 128); fp4's bf16 path from BF16_MIN_M rows, the block-scaled loop below. Each pick is
-    checked by value (bitwise the explicitly named kernel's output) and against the torch reference."""
+    """With no options the wrappers pick by shape: fp8 the first small-tile loop whose grid fits one wave of the
+    SMs, else the ping-pong (the loop where K % 128); fp4 the bf16 path from BF16_MIN_M rows, the block-scaled
+    loop below. Each pick is checked by value (bitwise the explicitly named kernel's output) and against the
+    torch reference."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    assert fg.default_config(fg.SMALL_M, 5120) == fg.SMALL_CFG
-    assert fg.default_config(fg.SMALL_M + 1, 5120) == dict(kernel="pingpong")
-    assert fg.default_config(fg.SMALL_M + 1, 96) == dict(kernel="loop")
+    bn64, bn128 = fg.SMALL_CFGS
+    assert fg.default_config(64, 5120, 5120) == bn64            # 80 CTAs
+    assert fg.default_config(128, 5120, 5120) == bn128          # 160 at BN 64, 80 at BN 128
+    assert fg.default_config(128, 2304, 5120) == bn64           # 72
+    assert fg.default_config(256, 2304, 5120) == bn128          # 144, 72
+    assert fg.default_config(256, 5120, 5120) == dict(kernel="pingpong")
+    assert fg.default_config(512, 2304, 96) == dict(kernel="loop")
     assert f4.default_config(f4.BF16_MIN_M) == dict(kernel="bf16")
     assert f4.default_config(f4.BF16_MIN_M - 1) == dict(kernel="loop")
-    for M, want in [(fg.SMALL_M, fg.SMALL_CFG), (fg.SMALL_M + 1, dict(kernel="pingpong"))]:
-        a, a_s, b, b_s = _fp8_operands(M, 2304, 5120, seed=6)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for M, N in [(64, 2304), (256, 2304), (512, 2304)]:
+        want = fg.default_config(M, N, 5120, sms)
+        a, a_s, b, b_s = _fp8_operands(M, N, 5120, seed=6)
         c = K.fp8_gemm(a, a_s, b, b_s, impl="tilelang")
         assert torch.equal(c, fg.fp8_gemm(a, a_s, b, b_s, **want)), (M, want)
-        _check_close(c, K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 default M={M}")
+        _check_close(c, K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 default M={M} {want}")
     for M, want in [(f4.BF16_MIN_M - 1, "loop"), (f4.BF16_MIN_M, "bf16")]:
         a, a_s, b, b_s = _fp4_gemm_operands(M, 2304, 5120, seed=6)
         c = K.fp4_gemm(a, a_s, b, b_s, impl="tilelang")
@@ -303,3 +310,43 @@ def test_gemm_kernel_option_errors():
         f4.fp4_gemm(a, a_s, b, b_s, kernel="pingpong")
     with pytest.raises(ValueError, match="bf16 path takes no kernel options"):
         f4.fp4_gemm(a, a_s, b, b_s, kernel="bf16", BN=128)
+
+
+# ----------------------------------------------------------------------------- grouped fp4 GEMM (routed experts)
+@pytest.mark.parametrize("n,k,counts", [(2304, 5120, [70, 0, 1, 64, 130, 0, 33]),
+                                        (5120, 2304, [5, 128, 0, 64, 65]),
+                                        (320, 256, [0, 3, 200, 0])],        # N = 2.5 column tiles of 128
+                         ids=["w13", "w2", "ragged_n"])
+def test_fp4_gemm_grouped(n, k, counts):
+    """One launch over all groups: bitwise the plain kernel with the same tile (128 x 128) group by group (no
+    row of one group stored by another's tile, no column past N), and close to the torch reference."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    g = torch.Generator(device=DEV).manual_seed(7)
+    S = sum(counts)
+    x = torch.randn(S, k, device=DEV, generator=g)
+    a, a_s = Q.act_quant(x.bfloat16(), 32, "ue8m0", Q.E8M0)
+    ws = [Q.quant_fp4(torch.randn(n, k, device=DEV, generator=g) * 0.02) for _ in counts]
+    b, b_s = [w for w, _ in ws], [s for _, s in ws]
+    c = K.fp4_gemm_grouped(a, a_s, b, b_s, counts, impl="tilelang")
+    assert c.shape == (S, n) and c.dtype == torch.bfloat16
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            want = f4.fp4_gemm(a[start:start + n], a_s[start:start + n], b[e], b_s[e], BM=f4.GROUPED_BM,
+                               BN=f4.GROUPED_BN, threads=2 * f4.GROUPED_BM)
+            assert torch.equal(c[start:start + n], want), f"group {e}: rows {start}..{start + n}"
+        start += n
+    _check_close(c, K.fp4_gemm_grouped(a, a_s, b, b_s, counts, impl="torch"), f"fp4 grouped {n}x{k} {counts}")
+    assert torch.equal(K.fp4_gemm_grouped(a, a_s, torch.stack(b), torch.stack(b_s), counts, impl="tilelang"), c)
+
+
+def test_fp4_gemm_grouped_edges():
+    _need_tilelang()
+    a, a_s, b, b_s = _fp4_gemm_operands(4, 256, 512)
+    assert K.fp4_gemm_grouped(a[:0], a_s[:0], [b, b], [b_s, b_s], [0, 0], impl="tilelang").shape == (0, 256)
+    with pytest.raises(ValueError, match="sum to a's 4 rows"):
+        K.fp4_gemm_grouped(a, a_s, [b, b], [b_s, b_s], [1, 2], impl="tilelang")
+    b2, b2_s = _fp4_gemm_operands(4, 128, 512)[2:]
+    with pytest.raises(ValueError, match="the weights differ in shape"):
+        K.fp4_gemm_grouped(a, a_s, [b, b2], [b_s, b2_s], [1, 3], impl="tilelang")

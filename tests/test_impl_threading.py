@@ -39,11 +39,11 @@ def test_forward_and_generate_pass_impl_to_every_kernel(calls):
     ids = torch.tensor([[0, 17, 33, 5, 250, 7, 9, 11, 40, 41, 42, 43]])
     fd.forward(params, {"input_ids": ids}, cfg=cfg, state=fd.init_state(cfg, 1, 32), impl="torch")
     names = {n for n, _ in calls}
-    assert {"act_quant", "fp8_gemm", "fp4_gemm", "sparse_attn", "hc_split_sinkhorn", "index_scores",
+    assert {"act_quant", "fp8_gemm", "fp4_gemm_grouped", "sparse_attn", "hc_split_sinkhorn", "index_scores",
             "index_topk", "index_candidates"} <= names, names
     calls.clear()
     fd.generate(params, [[0, 17, 33, 5, 250]], cfg=cfg, max_new_tokens=4, speculative=True, impl="torch")
-    assert {"fp8_gemm", "fp4_gemm", "sparse_attn"} <= {n for n, _ in calls}
+    assert {"fp8_gemm", "fp4_gemm_grouped", "sparse_attn"} <= {n for n, _ in calls}
     assert {i for _, i in calls} == {"torch"}
 
 

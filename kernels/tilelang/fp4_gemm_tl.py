@@ -52,6 +52,50 @@ __device__ __forceinline__ void dsv41_fp4x8_to_e4m3(const void* src, void* dst) 
 """
 
 
+def _tile_loop_macro(N: int, K: int, BM: int, BN: int, BK: int, stages: int, async_promote: bool, swizzle: int):
+    """The block-scaled main loop of one output tile (shared by the plain and the grouped fp4 GEMM)."""
+    SB = BK // 32
+    body = promote_loop(BM, BN, SB, async_promote, per_col=True)   # fp4: per-column scales
+
+    # One output tile: rows [r0, r0 + BM) x columns [bx BN, bx BN + BN), from B rows n0 + bx BN on; r1 = None:
+    # stored with T.copy (rows >= M masked), else rows >= r1 (the end of a group, fp4_gemm_grouped_kernel) and
+    # columns >= N (another group's weight rows) are not stored.
+    @T.macro
+    def tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, r0, n0, r1):
+        bp_s = T.alloc_shared([BN, BK // 2], U8)
+        sa = T.alloc_shared([BM, SB], F32)
+        sb = T.alloc_shared([BN, SB], F32)
+        acc = T.alloc_fragment([BM, BN], F32)
+        tmp = T.alloc_fragment([BM, BN], F32)
+        tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
+        c_s = T.alloc_shared([BM, BN], BF16)
+        if swizzle:      # block rasterization (it remaps blockIdx: the grouped kernel reads its tile table by it)
+            T.use_swizzle(swizzle)
+        T.clear(acc)
+        for k in T.Pipelined(K // BK, num_stages=stages):
+            T.copy(A[r0, k * BK], a_s)
+            T.copy(Bp[n0 + bx * BN, k * (BK // 2)], bp_s)
+            T.copy(As[r0, k * SB], sa)
+            T.copy(Bs[n0 + bx * BN, k * SB], sb)
+            T.import_source(_CONV_X8_SRC)
+            T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
+            for i, q in T.Parallel(BN, BK // 8):
+                T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
+                              T.address_of(b_s[i, q * 8]))
+            T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
+            T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
+            body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
+        T.copy(acc, c_s)
+        if r1 is None:
+            T.copy(c_s, C[r0, bx * BN])
+        else:
+            for i, j in T.Parallel(BM, BN):
+                if i < r1 - r0 and j < N - bx * BN:
+                    C[r0 + i, bx * BN + j] = c_s[i, j]
+
+    return tile_loop
+
+
 @functools.lru_cache(maxsize=None)
 def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128, stages: int = 3,
                     threads: int = 256, async_promote: bool = False, swizzle: int = 8,
@@ -63,36 +107,9 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
     bitwise-equal output)."""
     swizzle128 = BK == 128 if swizzle128 is None else swizzle128
     M = T.dynamic("M")
-    KB, SB = K // 32, BK // 32
+    KB = K // 32
     assert K % BK == 0 and BK % 32 == 0 and BN % 32 == 0 and BM == 64 * (threads // 128)
-    body = promote_loop(BM, BN, SB, async_promote, per_col=True)   # fp4: per-column scales
-
-    @T.macro
-    def tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, by):
-        bp_s = T.alloc_shared([BN, BK // 2], U8)
-        sa = T.alloc_shared([BM, SB], F32)
-        sb = T.alloc_shared([BN, SB], F32)
-        acc = T.alloc_fragment([BM, BN], F32)
-        tmp = T.alloc_fragment([BM, BN], F32)
-        tmp1 = T.alloc_fragment([BM, BN], F32) if async_promote else tmp
-        c_s = T.alloc_shared([BM, BN], BF16)
-        T.use_swizzle(swizzle)
-        T.clear(acc)
-        for k in T.Pipelined(K // BK, num_stages=stages):
-            T.copy(A[by * BM, k * BK], a_s)
-            T.copy(Bp[bx * BN, k * (BK // 2)], bp_s)
-            T.copy(As[by * BM, k * SB], sa)
-            T.copy(Bs[bx * BN, k * SB], sb)
-            T.import_source(_CONV_X8_SRC)
-            T.sync_threads()     # the previous tile's WGMMAs have read b_s (the extern write is opaque)
-            for i, q in T.Parallel(BN, BK // 8):
-                T.call_extern("handle", "dsv41_fp4x8_to_e4m3", T.address_of(bp_s[i, q * 4]),
-                              T.address_of(b_s[i, q * 8]))
-            T.fence_proxy_async()   # generic-proxy writes -> visible to the WGMMA (async proxy)
-            T.sync_threads()     # all of b_s is written before either warpgroup's WGMMA reads it
-            body(a_s, b_s, sa, sb, acc, tmp, tmp1, None)   # per_col: no sp fragment
-        T.copy(acc, c_s)
-        T.copy(c_s, C[by * BM, bx * BN])
+    tile_loop = _tile_loop_macro(N, K, BM, BN, BK, stages, async_promote, swizzle)
 
     @T.prim_func
     def fp4_gemm(
@@ -106,13 +123,61 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
             if swizzle128:  # one 128-byte-swizzled [rows, BK] tile per operand (_common._install_wide_swizzle)
                 a_sw128 = T.alloc_shared([BM, BK], FP8)
                 b_sw128 = T.alloc_shared([BN, BK], FP8)
-                tile_loop(a_sw128, b_sw128, A, As, Bp, Bs, C, bx, by)
+                tile_loop(a_sw128, b_sw128, A, As, Bp, Bs, C, bx, by * BM, 0, None)
             else:
                 a_s = T.alloc_shared([BM, BK], FP8)
                 b_s = T.alloc_shared([BN, BK], FP8)
-                tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, by)
+                tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, by * BM, 0, None)
 
     return compile_kernel(fp4_gemm, out_idx=[4])
+
+
+# The grouped kernel's default tile (run 27, 384 experts of ~64 rows, us for w1/w3 and w2: 64 x 128 5.12 / 5.26 ms,
+# 64 x 192 4.88 / 5.12, 128 x 128 4.48 / 4.63, 64 x 64 6.47 / 6.68): two consumer warpgroups pay off even when
+# half of a tile's rows belong to the next group.
+GROUPED_BM, GROUPED_BN = 128, 128
+
+
+@functools.lru_cache(maxsize=None)
+def fp4_gemm_grouped_kernel(N: int, K: int, BM: int = GROUPED_BM, BN: int = GROUPED_BN, BK: int = 128,
+                            stages: int = 3,
+                            async_promote: bool = False, swizzle128: bool | None = None):
+    """``fp4_gemm_kernel``'s tile over G groups of rows (the routed experts): A [S, K] holds the groups' rows
+    one after another, B [G N, K/2] and its scales the G weights stacked, and ``tiles`` [NT, 3] int32 lists
+    every (group g, first row r0, group end r1) tile of BM rows (r0 = group start + i BM): CTA (bx, t) computes
+    rows [r0, min(r0 + BM, r1)) x columns [bx BN, bx BN + BN) against B rows g N + bx BN ... . A tile's loads
+    may run past its group (into the next group's rows, or TMA's zero fill past S) and past N (into the next
+    weight); those rows and columns are not stored. Each output element is computed exactly as
+    ``fp4_gemm_kernel`` computes it with the same BM / BN (threads = 2 BM). No block rasterization: TileLang's remaps blockIdx
+    after the kernel's first reads of it, which would pair one tile's rows with another tile's weight."""
+    swizzle128 = BK == 128 if swizzle128 is None else swizzle128
+    S, GN, NT = T.dynamic("S"), T.dynamic("GN"), T.dynamic("NT")
+    KB, threads = K // 32, 2 * BM
+    if K % BK or BK % 32 or BN % 32 or BM % 64:
+        raise ValueError(f"fp4_gemm_grouped: K={K} must be a multiple of BK={BK} (of 32), BN={BN} of 32, "
+                         f"BM={BM} of 64")
+    tile_loop = _tile_loop_macro(N, K, BM, BN, BK, stages, async_promote, 0)
+
+    @T.prim_func
+    def fp4_gemm_grouped(
+        A: T.Tensor([S, K], FP8),
+        As: T.Tensor([S, KB], F32),
+        Bp: T.Tensor([GN, K // 2], U8),
+        Bs: T.Tensor([GN, KB], F32),
+        tiles: T.Tensor([NT, 3], "int32"),
+        C: T.Tensor([S, N], BF16),
+    ):
+        with T.Kernel(T.ceildiv(N, BN), NT, threads=threads) as (bx, by):
+            if swizzle128:
+                a_sw128 = T.alloc_shared([BM, BK], FP8)
+                b_sw128 = T.alloc_shared([BN, BK], FP8)
+                tile_loop(a_sw128, b_sw128, A, As, Bp, Bs, C, bx, tiles[by, 1], tiles[by, 0] * N, tiles[by, 2])
+            else:
+                a_s = T.alloc_shared([BM, BK], FP8)
+                b_s = T.alloc_shared([BN, BK], FP8)
+                tile_loop(a_s, b_s, A, As, Bp, Bs, C, bx, tiles[by, 1], tiles[by, 0] * N, tiles[by, 2])
+
+    return compile_kernel(fp4_gemm_grouped, out_idx=[5])
 
 
 def _pick_bk(K: int) -> int:
@@ -172,3 +237,69 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     kern = fp4_gemm_kernel(N, K, BK=bk, **cfg)
     c = kern(a2, sa, bp, sb)
     return c.reshape(*lead, N).to(out_dtype)
+
+
+def _stacked_view(ts) -> torch.Tensor | None:
+    """[G, ...] WITHOUT a copy when the G tensors are equally spaced views of one storage (``moe.pack_experts``
+    lays the experts of a layer out so), else None."""
+    t0 = ts[0]
+    if not isinstance(t0, torch.Tensor) or len(ts) < 2:
+        return None
+    step = ts[1].data_ptr() - t0.data_ptr()
+    ptr = t0.untyped_storage().data_ptr()
+    for i, t in enumerate(ts):
+        if (t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype or t.device != t0.device
+                or t.untyped_storage().data_ptr() != ptr or t.data_ptr() - t0.data_ptr() != i * step):
+            return None
+    if step <= 0 or step % t0.element_size():
+        return None
+    return torch.as_strided(t0, (len(ts), *t0.shape), (step // t0.element_size(), *t0.stride()))
+
+
+def _stacked(w, what: str, keep: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(stack [G', ...], index in it of each kept group): an already stacked tensor or a zero-copy view of all
+    G weights when they allow it (then every index stands), else a copy of the ``keep`` groups' weights only."""
+    if isinstance(w, torch.Tensor):
+        return w, keep
+    view = _stacked_view(w)
+    if view is not None:
+        return view, keep
+    shapes = {tuple(w[g].shape) for g in keep}
+    if len(shapes) > 1:
+        raise ValueError(f"fp4_gemm_grouped (tilelang): the {what} differ in shape: {sorted(shapes)}")
+    return torch.stack([w[g] for g in keep]), list(range(len(keep)))
+
+
+def fp4_gemm_grouped(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, scale_dtype=quant.E8M0,
+                     act_block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
+    """Same contract as ``reference.fp4_gemm_grouped``: one ``fp4_gemm_grouped_kernel`` launch for all groups.
+    Weights given as a list are used in place when they are equally spaced views of one buffer
+    (``moe.pack_experts``, which ``init_params`` and ``load_params`` apply), else the non-empty groups' weights
+    are stacked first (a copy per call: run 27, 3.4-3.8 ms for 384 release experts). cfg goes to the kernel."""
+    from functional_dsv41.kernels.reference import check_groups
+    counts = check_groups(a, b, b_s, counts, "fp4_gemm_grouped (tilelang)")
+    K = a.shape[-1]
+    keep = [g for g, n in enumerate(counts) if n]
+    S = a.shape[0]
+    N = b[0].shape[0]
+    if S == 0:
+        return torch.empty(0, N, dtype=out_dtype, device=a.device)
+    bst, idx = _stacked(b, "weights", keep)
+    bss, idx_s = _stacked(b_s, "scales", keep)
+    if idx != idx_s:                        # one of the two was copied: copy the other the same way
+        bst, idx = torch.stack([b[g] for g in keep]), list(range(len(keep)))
+        bss = torch.stack([b_s[g] for g in keep])
+    G = bst.shape[0]
+    if bst.shape[-1] * 2 != K or K % 32 or act_block_size % 32 or tuple(bss.shape[:2]) != (G, N):
+        raise ValueError(f"fp4_gemm_grouped (tilelang): a has K={K}, b {tuple(bst.shape)} (K/2 packed), "
+                         f"b_s {tuple(bss.shape)}, act block {act_block_size}")
+    BM = cfg.get("BM", GROUPED_BM)
+    tiles, start = [], 0
+    for g, i in zip(keep, idx):
+        tiles += [(i, r, start + counts[g]) for r in range(start, start + counts[g], BM)]
+        start += counts[g]
+    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(a.device, non_blocking=True)
+    sa, bp, sb = operands(a_s, bst.reshape(G * N, K // 2), bss.reshape(G * N, -1), K, act_block_size)
+    cfg.setdefault("BK", _pick_bk(K))
+    kern = fp4_gemm_grouped_kernel(N, K, **cfg)
+    return kern(a.contiguous(), sa, bp, sb, tiles_t).to(out_dtype)

@@ -546,18 +546,22 @@ def _pick_bk(K: int) -> int:
     raise ValueError(f"fp8_gemm (tilelang): K={K} is not a multiple of 32")
 
 
-# Rows up to which the small-tile loop replaces the ping-pong (run 26, M = 1 / 16 / 64 at N = 5120 and 2304,
-# K = 5120: 0.024-0.025 ms against 0.056-0.058; the ping-pong's 128 x 192 tiles give 27 CTAs for 132 SMs).
-SMALL_M = 64
-SMALL_CFG = dict(kernel="loop", BM=64, BN=64, threads=128, stages=4)
+# Small-M (decode / short prefill) tiles: the ping-pong's 128 x 192 tiles leave most of the 132 SMs idle below a
+# few hundred rows (27 CTAs at M <= 128, N = 5120), and there the GEMM is bound by reading B. Run 27 (us, N =
+# 5120 / 2304, K = 5120): M <= 64: ping-pong 54-58, 64 x 64 loop 23-26; M = 128: ping-pong 54 / 53, 64 x 128
+# loop 32 / 31, 64 x 64 loop 44 / 24; M = 256: ping-pong 55 / 53, 64 x 128 loop 58 / 31; M = 512: ping-pong 55 /
+# 54, 64 x 128 loop 85 / 58. The best in every case: the first of SMALL_CFGS whose grid fits one wave.
+SMALL_CFGS = (dict(kernel="loop", BM=64, BN=64, threads=128, stages=4),
+              dict(kernel="loop", BM=64, BN=128, threads=128, stages=4))
 
 
-def default_config(M: int, K: int) -> dict:
-    """The kernel ``fp8_gemm`` runs for M rows of depth K when the caller names none: the small-tile loop up to
-    ``SMALL_M`` rows (decode; B-read bound, so more, narrower CTAs), else the ping-pong where K is a multiple
-    of 128 (its TMA boxes need it), else the pipelined loop."""
-    if M <= SMALL_M:
-        return dict(SMALL_CFG)
+def default_config(M: int, N: int, K: int, sms: int = 132) -> dict:
+    """The kernel ``fp8_gemm`` runs for an M x N x K product when the caller names none: the first small-tile
+    loop of SMALL_CFGS whose ceil(M / 64) x ceil(N / BN) CTAs fit one wave of ``sms`` SMs, else the ping-pong
+    where K is a multiple of 128 (its TMA boxes need it), else the pipelined loop."""
+    for cfg in SMALL_CFGS:
+        if -(-M // cfg["BM"]) * -(-N // cfg["BN"]) <= sms:
+            return dict(cfg)
     return dict(kernel="pingpong" if K % 128 == 0 else "loop")
 
 
@@ -576,7 +580,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     a2 = a.reshape(-1, K).contiguous()
     sa = _scales(a_s).reshape(-1, K // 32)
     if not cfg:
-        cfg = default_config(a2.shape[0], K)
+        cfg = default_config(a2.shape[0], N, K, sm_count(a.device))
     kernel = cfg.pop("kernel", "pingpong" if K % 128 == 0 else "loop")
     if kernel == "bf16":                # exact bf16 operands (dequant_bf16), then torch's bf16 matmul (cuBLAS)
         ab = dequant_bf16(a2, a_s.reshape(-1, K // 32), "e4m3")
