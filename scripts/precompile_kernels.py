@@ -185,6 +185,8 @@ def gemm():
             f4.fp4_gemm_kernel(N, K, **cfg)
         fp4(64, N, K, kernel="bf16")
         fp4(64, N, K, kernel="loop")
+    fp4(f4.BF16_MIN_M + 3, 256, 512)
+    fp4(f4.BF16_MIN_M - 1, 256, 512)
     # grouped fp4 GEMM: the tests (and the plain kernel at the same tile, which they compare with) and the bench
     for (N, K) in [(2304, 5120), (5120, 2304), (320, 256)]:
         fp4(64, N, K, BM=f4.GROUPED_BM, BN=f4.GROUPED_BN, threads=2 * f4.GROUPED_BM)

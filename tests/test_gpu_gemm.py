@@ -341,6 +341,21 @@ def test_fp4_gemm_grouped(n, k, counts):
     assert torch.equal(K.fp4_gemm_grouped(a, a_s, torch.stack(b), torch.stack(b_s), counts, impl="tilelang"), c)
 
 
+def test_fp4_gemm_grouped_large_groups_take_the_bf16_path():
+    """Groups of BF16_MIN_M rows on average run group by group through fp4_gemm (its bf16 path there)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4
+    counts = [f4.BF16_MIN_M + 3, 0, f4.BF16_MIN_M - 1]
+    a, a_s, _, _ = _fp4_gemm_operands(sum(counts), 256, 512, seed=8)
+    ws = [_fp4_gemm_operands(1, 256, 512, seed=9 + i)[2:] for i in range(3)]
+    b, b_s = [w for w, _ in ws], [s for _, s in ws]
+    c = K.fp4_gemm_grouped(a, a_s, b, b_s, counts, impl="tilelang")
+    n0 = counts[0]
+    assert torch.equal(c[:n0], f4.fp4_gemm(a[:n0], a_s[:n0], b[0], b_s[0]))
+    assert torch.equal(c[n0:], f4.fp4_gemm(a[n0:], a_s[n0:], b[2], b_s[2]))
+    _check_close(c, K.fp4_gemm_grouped(a, a_s, b, b_s, counts, impl="torch"), "fp4 grouped, large groups")
+
+
 def test_fp4_gemm_grouped_edges():
     _need_tilelang()
     a, a_s, b, b_s = _fp4_gemm_operands(4, 256, 512)
