@@ -21,16 +21,16 @@ each stage is released by both CTAs' consumers). ``diag`` variants (bench only, 
 structure without the promotion.
 
 Measured (H200, TFLOP/s at 4096x{5120x5120, 2304x5120, 5120x2304}): the ping-pong at BN=192, 2 stages 570 /
-579 / 517 (run 14; the default); the pipelined loop 548 / 544 / 513; ws, 3 consumers 536 / 512 / 506 and no
-variant above the ping-pong (run 14); ws with ``cluster=2``, 3 consumers: 585 at 5120x5120 (run 17), then 572 /
-566 / 515 at the three shapes (run 20): within run-to-run spread of the ping-pong, which stays the default. Where the time goes (runs 16-17): a PLAIN fp8 GEMM in these structures (``diag="no_wait"``)
-stops at 546 (192x128 tiles) / 671 (128x192), and 657 with the multicast; Nsight Compute puts the 3-consumer
-kernel at 73% of the L2's throughput and the ping-pong at half its issue slots with 0.65 eligible warps per
-scheduler. So the limits are, in order: L2 traffic per flop (a tile pair's operands), latency between the
-consumers' WGMMAs, and the promotion (15% of the ping-pong's time). Next: a 128x256 tile (two consumers of 64x256,
-promoting each n128 half from one 64-register temporary) to cut L2 traffic per flop, which no structure here has.
-Decode sizes (run 25): at M = 16 the default reads B at 450 GB/s (27 CTAs of 128 x 192 for 132 SMs); the bench's
-``gemmsmall`` section times 64-row, narrow-N tiles for a small-M dispatch (not yet run on the GPU).
+579 / 517 (run 14); the pipelined loop 548 / 544 / 513; ws, 3 consumers 536 / 512 / 506. Run 26 found the
+limit of all of them in the shared layout: TileLang lays a k = 32 WGMMA operand out as [rows, 32] panels with a
+32-byte swizzle, four TMA boxes of 32-byte rows per stage tile; with the whole 128-byte row swizzled
+(``swizzle128``, now the default where BK = 128) a PLAIN fp8 GEMM in the ws structure (``diag="no_wait"``)
+went from 546 to 1027, and the promoted kernels gained 5-8%: the ping-pong with ``early_sp`` (the default)
+604 / 627 / 567, ws with two temporaries 643 / 571 / 571 (bitwise-equal outputs). What is left is the
+32-wide promotion itself: per k = 32 slice an m64nN WGMMA takes N/2 tensor cycles per SM and its promotion
+N/2 FFMA issue cycles (128 lanes per SM), so the two pipes must overlap perfectly to approach the plain GEMM;
+the best promoted kernel reaches 63% of it. Small M (decode, short prefill): ``default_config`` picks a
+64-row loop whose grid fits one wave (run 27: 23-32 us against the ping-pong's 52-58 up to M = 128).
 """
 import functools
 
