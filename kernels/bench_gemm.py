@@ -304,7 +304,7 @@ def fp4_gemms(results, args):
 
 
 # Grouped fp4 GEMM tiles swept by "grouped" (BM x BN; the default, fp4_gemm_tl.GROUPED_BM x GROUPED_BN, first).
-FP4_GROUPED_CFGS = [dict(), dict(BM=64), dict(BN=192), dict(stages=4)]
+FP4_GROUPED_CFGS = [dict(), dict(BM=64), dict(BN=128), dict(stages=4)]
 
 
 def fp4_grouped(results, args):

@@ -318,7 +318,7 @@ def test_gemm_kernel_option_errors():
                                         (320, 256, [0, 3, 200, 0])],        # N = 2.5 column tiles of 128
                          ids=["w13", "w2", "ragged_n"])
 def test_fp4_gemm_grouped(n, k, counts):
-    """One launch over all groups: bitwise the plain kernel with the same tile (128 x 128) group by group (no
+    """One launch over all groups: bitwise the plain kernel with the same tile (GROUPED_BM x GROUPED_BN) group by group (no
     row of one group stored by another's tile, no column past N), and close to the torch reference."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4

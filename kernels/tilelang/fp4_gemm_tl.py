@@ -137,10 +137,10 @@ def fp4_gemm_kernel(N: int, K: int, BM: int = 128, BN: int = 192, BK: int = 128,
     return compile_kernel(fp4_gemm, out_idx=[4])
 
 
-# The grouped kernel's default tile (run 27, 384 experts of ~64 rows, us for w1/w3 and w2: 64 x 128 5.12 / 5.26 ms,
-# 64 x 192 4.88 / 5.12, 128 x 128 4.48 / 4.63, 64 x 64 6.47 / 6.68): two consumer warpgroups pay off even when
-# half of a tile's rows belong to the next group.
-GROUPED_BM, GROUPED_BN = 128, 128
+# The grouped kernel's default tile (384 experts of ~64 rows, ms for w1/w3 and w2; run 28: 64 x 128 5.12 / 5.26,
+# 64 x 64 6.47 / 6.68; run 29: 64 x 128 5.10 / 5.26, 128 x 128 4.51 / 4.63, 128 x 192 4.11 / 4.35): two consumer
+# warpgroups and the plain kernel's 192-wide tile pay off even when half of a tile's rows belong to the next group.
+GROUPED_BM, GROUPED_BN = 128, 192
 
 
 @functools.lru_cache(maxsize=None)
