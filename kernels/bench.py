@@ -79,8 +79,8 @@ def attention_fwd(results, args):
     o = sa._fwd(q, kv, sink, idx, scale)[0]
     results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
                        bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
-    for impl in ("ws", "lockstep", "seesaw"):
-        for block in ((64,) if impl == "seesaw" else (64, 128)):     # seesaw: block 64 only (same kernel)
+    for impl in ("sp", "ws", "lockstep", "seesaw"):
+        for block in ((64,) if impl in ("seesaw", "sp") else (64, 128)):    # sp, seesaw: block 64 only
             try:
                 o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
                 results.append(row(f"  _fwd impl={impl} block={block}",
@@ -126,6 +126,48 @@ def attention_fwd(results, args):
     results.append(row("peer: SDPA over pre-gathered KV (no sink), fwd",
                        bench(lambda: F.scaled_dot_product_attention(qs, kvg[:, None], kvg[:, None], attn_mask=mask, scale=scale)),
                        fl, by_f, "gather excluded; mask -> efficient/math kernel"))
+
+
+def attention_diag(results, args):
+    """Where the forward's time goes (release shape): the ablations of fwd_kernel_ws's and fwd_kernel_sp's
+    ``diag`` knobs (the compute alone on stale rows, no softmax), sp's other gather layout, and both kernels
+    over more index slots per query (2x, 4x: how much of a query's time is its fixed start and end). GB/s is
+    the gathered KV rows (plus Q and O) over the time."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D = q.shape[2], q.shape[3]
+    cfg = sa.FWD_WS_CFG[64]
+    ip = sa._pad_idx(idx, 2 * cfg["BI"])
+    for diag in ("", "compute", "nosoftmax"):
+        try:
+            kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg, diag=diag)
+            results.append(row(f"  ws diag={diag or 'none'}", bench(lambda: kf(q, kv, sink, ip)), fl, by_f))
+        except Exception as e:
+            print(f"  ws diag={diag}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # the split-softmax kernel (the default), its gather layouts and its own ablations
+    ip64 = sa._pad_idx(idx, sa.FWD_SP_CFG["BI"])
+    for kw in (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax")):
+        name = f"  sp {json.dumps(kw, separators=(',', ':'))}"
+        try:
+            kf = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sa.FWD_SP_CFG, **kw})
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, M, N = q.shape[0], q.shape[1], kv.shape[1]
+    for mult in (1, 2, 4):
+        T_ = 640 * mult
+        ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
+        f_ = 2 * B * M * H * T_ * 2 * D
+        b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
+        for kind in ("ws", "sp"):
+            try:
+                kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
+                      else sa.fwd_kernel_sp(H, D, T_, scale, **sa.FWD_SP_CFG))
+                results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
+            except Exception as e:
+                print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
 def attention_bwd(results, args):
@@ -420,6 +462,7 @@ def indexer(results, args):
 SECTIONS = {
     "ceilings": lambda results, args: ceilings(results),
     "attnfwd": attention_fwd,
+    "attndiag": attention_diag,
     "attnbwd": attention_bwd,
     "gemm": gemms,
     "gemmdiag": gemm_diag,

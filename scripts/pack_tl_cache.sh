@@ -11,7 +11,9 @@ mkdir -p .tl/fixtures
 FIX=${DSV41_FIXTURES:-../shared/fixtures}
 for f in kernels tiny-bf16 tiny-fp8; do [ -d "$FIX/$f" ] && cp -r "$FIX/$f" .tl/fixtures/; done
 rm -f .tl/tlcache.tar.xz
-XZ_OPT="-6 -T0" tar cJf .tl/tlcache.tar.xz -C "$SRC" .
+# cuda-binaries/ is TileLang's nvcc-output cache, read only when a kernel is compiled; the kernels themselves
+# (linux-x86_64/kernels/*/executable.so) load without it, so it stays here (it was a third of the archive)
+XZ_OPT="-6 -T0" tar cJf .tl/tlcache.tar.xz -C "$SRC" --exclude='*/cuda-binaries' .
 ls -la .tl/tlcache.tar.xz
 size=$(( $(stat -c %s .tl/tlcache.tar.xz) / 1048576 ))
 if [ "$size" -gt "$CAP_MB" ]; then echo "tlcache is ${size} MiB > ${CAP_MB} MiB: prune $SRC" >&2; exit 1; fi

@@ -175,7 +175,7 @@ FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "lockstep", "seesaw"])
+@pytest.mark.parametrize("impl", ["sp", "ws", "lockstep", "seesaw"])
 @pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_impl(shape, impl, block):
     """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl);
@@ -188,7 +188,7 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["ws", "lockstep", "seesaw"])
+@pytest.mark.parametrize("impl", ["sp", "ws", "lockstep", "seesaw"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
     q, kv, sink, _, idx = _release_inputs(1, idx_seed=0)
@@ -238,10 +238,50 @@ def test_sparse_attn_seesaw_grad(monkeypatch):
     _check_grads(q, kv, sink, idx, do, 512 ** -0.5)
 
 
-def test_sparse_attn_fwd_ws_is_default():
-    """The release shape takes the warp-specialised kernel by default (sparse_attn_tl.FWD_DEFAULT)."""
+def test_sparse_attn_fwd_sp_is_default():
+    """The release shape takes the split-softmax kernel by default (sparse_attn_tl.FWD_DEFAULT); shapes it
+    cannot hold fall back to the warp-specialised one (block 128 too) or the lock-step one (H != 64)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    assert sa.FWD_DEFAULT == "ws" and sa.ws_fits(64, 512) and not sa.ws_fits(16, 64)
+    assert sa.FWD_DEFAULT == "sp" and sa.sp_fits(64, 512, 640) and sa.ws_fits(64, 512)
+    assert not sa.sp_fits(16, 64, 640) and not sa.sp_fits(64, 512, 64)          # fewer slots than its two stages
+    assert not sa.sp_fits(64, 512, 64 * 1024)                                   # the index row over the smem
+
+
+# fwd_kernel_sp configurations beyond FWD_SP_CFG (the other gather layout, 32-slot blocks with 2-4 stages,
+# the PV split in two WGMMAs), each against reference.sparse_attn(block=BI), with a leading run of holes and
+# whole blocks of holes mid-row (zero-filled rows) and an all-hole row
+SP_CFGS = [dict(gather="cols"), dict(BI=32, stages=2), dict(BI=32, stages=3), dict(BI=32, stages=4),
+           dict(pv_split=2)]
+
+
+@pytest.mark.parametrize("cfg", SP_CFGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("shape", [(2, 64, 64, 512, 700, 640), (3, 37, 64, 256, 333, 130)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_sp_cfg(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    cfg = {**sa.FWD_SP_CFG, **cfg}
+    q, kv, sink, idx = _attn_inputs(*shape, seed=13)
+    idx[-1, 1, :100] = -1
+    idx[0, 3, 64:128] = -1
+    scale = shape[3] ** -0.5
+    ip = sa._pad_idx(idx, cfg["BI"])                  # 130 slots -> 160 / 192: at least BI * stages
+    o, lse = sa.fwd_kernel_sp(64, shape[3], ip.shape[-1], scale, **cfg)(q, kv, sink.float(), ip)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, cfg["BI"], f"sp {cfg}")
+
+
+def test_sparse_attn_fwd_sp_option_errors():
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    with pytest.raises(ValueError, match="H must be 64"):
+        sa.fwd_kernel_sp(32, 512, 640, 0.1)
+    with pytest.raises(ValueError, match="multiple of BI"):
+        sa.fwd_kernel_sp(64, 512, 600, 0.1)
+    with pytest.raises(ValueError, match="shared memory"):
+        sa.fwd_kernel_sp(64, 512, 640, 0.1, stages=3)
+    with pytest.raises(ValueError, match="gather"):
+        sa.fwd_kernel_sp(64, 512, 640, 0.1, gather="diag")
+    with pytest.raises(ValueError, match="diag"):
+        sa.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
 
 
 def _grads(impl, q, kv, sink, idx, scale, do):
