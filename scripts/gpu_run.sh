@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run commands on the GPU machine so that a hang costs one command, not the call's output:
+#   bash scripts/gpu_run.sh SECONDS "python3 -m pytest -q tests/test_gpu_sparse_attn.py" "python3 -m functional_dsv41.kernels.bench --only attnfwd"
+# Each command runs under `timeout SECONDS` (python unbuffered), its output goes to the terminal as it comes and to
+# $OUT/gpu_run.log when $OUT is set (the device call brings that folder back even when the call itself times out),
+# and a summary line per command says its exit status (124: timed out). (A first run 2026-12-03 lost 500 s of
+# output to one hung kernel: everything had been piped through one grep that never flushed.)
+set -u
+cd "$(dirname "$0")/.."
+[ $# -ge 2 ] || { echo "usage: $0 SECONDS COMMAND [COMMAND ...]" >&2; exit 2; }
+limit=$1; shift
+case $limit in ''|*[!0-9]*) echo "gpu_run.sh: SECONDS must be a whole number, got '$limit'" >&2; exit 2;; esac
+source scripts/gpu_env.sh >/dev/null 2>&1
+export PYTHONUNBUFFERED=1
+log=${OUT:+$OUT/gpu_run.log}
+summary=()
+for cmd in "$@"; do
+  echo "== $(date -u +%H:%M:%S) $cmd" | tee -a ${log:-/dev/null}
+  start=$(date +%s)
+  timeout "$limit" bash -c "$cmd" 2>&1 | grep --line-buffered -v "TileLang:tilelang" | tee -a ${log:-/dev/null}
+  rc=${PIPESTATUS[0]}
+  summary+=("rc=$rc $(( $(date +%s) - start ))s  $cmd")
+done
+echo "== summary" | tee -a ${log:-/dev/null}
+printf '%s\n' "${summary[@]}" | tee -a ${log:-/dev/null}
