@@ -405,6 +405,11 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
     return compile_kernel(sparse_attn_fwd_ws, out_idx=[4, 5])
 
 
+def _sp_smem(H: int, D: int, TP: int, BI: int, NS: int) -> int:
+    """fwd_kernel_sp's shared memory in bytes: Q, NS KV stages, the double-buffered P, the index row."""
+    return (H + NS * BI) * D * 2 + 2 * H * BI * 2 + TP * 4
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, pv_split: int = 1,
                   gather: str = "rows", diag: str = ""):
@@ -441,7 +446,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     NS = stages
     if TP % BI or BI % 32 or NS < 2 or TP < NS * BI:
         raise ValueError("fwd_kernel_sp: TP a multiple of BI (at least stages * BI), BI a multiple of 32, stages >= 2")
-    if (H + NS * BI) * D * 2 + 2 * H * BI * 2 + TP * 4 > 227 * 1024 - 2048:
+    if _sp_smem(H, D, TP, BI, NS) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_sp: shared memory over 227 KB")
     DH = D // 2
     if diag not in ("", "compute", "nosoftmax"):
@@ -455,6 +460,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     c = float(scale) * LOG2E
     CPR = D // 64                       # 16-byte chunks a thread copies per row (8 threads a row)
     HB = BI // 2                        # rows of a block each PV warpgroup gathers
+    load_q = _ws_gather(H, BI, CPR)[0]
 
     @T.macro
     def gather_half(t, w, j, kv_s, KV, src_of, bi):
@@ -479,15 +485,11 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     @T.macro
     def softmax_wg(t, acc_s, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty, bar_q,
                    bar_fin, Q, Idx, Sink, Lse, bi, mi):
-        for r in T.unroll(H // 16):             # Q: 8 threads a row, 16 rows a pass
-            for u in T.unroll(CPR):
-                T.ptx_cp_async(T.access_ptr(q_s[r * 16 + t // 8, u * 64 + (t % 8) * 8], "w", 8),
-                               T.access_ptr(Q[bi, mi, r * 16 + t // 8, u * 64 + (t % 8) * 8], "r", 8), 8)
         for r in T.serial((TP // 4 + 127) // 128):   # the index row, 4 slots a copy
             if r * 128 + t < TP // 4:
                 T.ptx_cp_async(T.access_ptr(idx_s[(r * 128 + t) * 4], "w", 4),
                                T.access_ptr(Idx[bi, mi, (r * 128 + t) * 4], "r", 4), 4)
-        T.cp_async_barrier_noinc(bar_q)
+        load_q(t, q_s, Q, bi, mi, bar_q)        # its arrive on bar_q also covers the index row's copies
         T.fill(l, 0)
         T.fill(m, -1e30)
         if diag == "nosoftmax":
@@ -654,7 +656,7 @@ def sp_fits(H: int, D: int, TP: int) -> bool:
     row of TP slots) within the shared memory."""
     BI, NS = FWD_SP_CFG["BI"], FWD_SP_CFG["stages"]
     return (H == 64 and D % 128 == 0 and D <= 512 and TP >= NS * BI
-            and (H + NS * BI) * D * 2 + 2 * H * BI * 2 + TP * 4 <= 227 * 1024 - 2048)
+            and _sp_smem(H, D, TP, BI, NS) <= 227 * 1024 - 2048)
 
 
 def ws_fits(H: int, D: int) -> bool:
