@@ -128,6 +128,12 @@ def attention_fwd(results, args):
                        fl, by_f, "gather excluded; mask -> efficient/math kernel"))
 
 
+# fwd_kernel_sp options under trial (attndiag rows; each compared with the default's output)
+SP_VARIANTS = (dict(q_regs=256), dict(q_regs=384), dict(q_regs=448), dict(q_regs=448, stages=3),
+               dict(q_regs=448, stages=3, regs=(160, 184)), dict(q_regs=448, stages=3, regs=(160, 184), gather="cols"),
+               dict(q_regs=512, stages=3, regs=(160, 184)))
+
+
 def attention_diag(results, args):
     """Where the forward's time goes (release shape): the ablations of fwd_kernel_ws's and fwd_kernel_sp's
     ``diag`` knobs (the compute alone on stale rows, no softmax), sp's other gather layout, and both kernels
@@ -147,11 +153,15 @@ def attention_diag(results, args):
             print(f"  ws diag={diag}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     # the split-softmax kernel (the default), its gather layouts and its own ablations
     ip64 = sa._pad_idx(idx, sa.FWD_SP_CFG["BI"])
-    for kw in (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax")):
+    o_ref = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sa.FWD_SP_CFG)(q, kv, sink, ip64)
+    for kw in (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax")) + SP_VARIANTS:
         name = f"  sp {json.dumps(kw, separators=(',', ':'))}"
         try:
             kf = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sa.FWD_SP_CFG, **kw})
-            results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f))
+            o, lse = kf(q, kv, sink, ip64)
+            note = "" if kw.get("diag") else (f"vs default: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
+                                              f"lse {(lse - o_ref[1]).abs().max():.2e}")
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f, note))
         except Exception as e:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(2)

@@ -11,6 +11,11 @@ the set of compiled kernels, which is printed (a kernel already in the cache loa
     .venv/bin/python scripts/precompile_kernels.py release-layers --seq 1024 4096
     .venv/bin/python scripts/precompile_kernels.py train-gpu
     .venv/bin/python scripts/precompile_kernels.py gemm       # tests/test_gpu_gemm.py + the GEMM bench sections
+    .venv/bin/python scripts/precompile_kernels.py tests tests/test_gpu_sparse_attn.py -k sp   # any pytest args
+    .venv/bin/python scripts/precompile_kernels.py attn-bench # the attention forward's bench rows (attndiag)
+
+``tests`` runs GPU tests on CPU tensors with the launches stubbed: their assertions fail (the outputs are zeros)
+and tests that need CUDA itself error, but every kernel a test builds before that point is compiled.
 """
 from __future__ import annotations
 
@@ -194,11 +199,68 @@ def gemm():
             f4.fp4_gemm_grouped_kernel(N, K, **cfg)
 
 
+def _meta_references(min_numel=1 << 22):
+    """The torch reference kernels, on inputs with a tensor of at least ``min_numel`` elements, run on the meta
+    device (shapes only) and return zeros: a release-shape test's reference would take minutes and gigabytes on
+    CPU, and the values are meaningless here anyway. Ops meta cannot trace run for real."""
+    import optree
+    from functional_dsv41.kernels import reference, reference_indexer
+
+    def wrap(f):
+        def g(*a, **k):
+            leaves = [x for x in optree.tree_leaves((a, k)) if isinstance(x, torch.Tensor)]
+            if not any(x.numel() >= min_numel for x in leaves):
+                return f(*a, **k)
+            try:
+                out = f(*optree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (a, k))[0],
+                        **optree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, k))
+            except Exception:
+                return f(*a, **k)
+            return optree.tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
+                                   out)
+        return g
+
+    for mod in (reference, reference_indexer):
+        for name in dir(mod):
+            f = getattr(mod, name)
+            if callable(f) and not name.startswith("_") and getattr(f, "__module__", "") == mod.__name__:
+                setattr(mod, name, wrap(f))
+
+
+def gpu_tests(pytest_args):
+    """Run GPU tests with CPU tensors (``DSV41_TEST_DEVICE=cpu``, see tests/gpu_common.py) through the stub."""
+    import pytest
+    _meta_references()
+    pytest.main(["-q", "-p", "no:cacheprovider", "--tb=no", "-o", "addopts=", *pytest_args])
+
+
+def attn_bench():
+    """The forward kernels of the bench's "attndiag" section at the release shape (T = 640 and the random-slot
+    rows at 2x / 4x), and the default forward of "attnfwd"."""
+    from functional_dsv41.kernels import bench
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    H, D, scale = 64, 512, 512 ** -0.5
+    ws = sa.FWD_WS_CFG[64]
+    for diag in ("", "compute", "nosoftmax"):
+        sa.fwd_kernel_ws(H, D, 640, scale, **ws, diag=diag)
+    for kw in (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax")) + bench.SP_VARIANTS:
+        sa.fwd_kernel_sp(H, D, 640, scale, **{**sa.FWD_SP_CFG, **kw})
+    for T_ in (1280, 2560):
+        sa.fwd_kernel_ws(H, D, T_, scale, **ws)
+        sa.fwd_kernel_sp(H, D, T_, scale, **sa.FWD_SP_CFG)
+    sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["release-layers", "train-gpu", "gemm"])
+    ap.add_argument("what", choices=["release-layers", "train-gpu", "gemm", "tests", "attn-bench"])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.what != "tests":
+        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    if args.what == "tests":
+        os.environ["DSV41_TEST_DEVICE"] = "cpu"
+        torch.Tensor.cuda = lambda self, *a, **k: self
     if "DSV41_TL_TARGET" not in os.environ:
         raise SystemExit("set DSV41_TL_TARGET (source scripts/local_tilelang_env.sh) to compile for the H200")
     install()
@@ -207,6 +269,10 @@ def main(argv=None):
         release_layers(args.seq)
     elif args.what == "gemm":
         gemm()
+    elif args.what == "tests":
+        gpu_tests(rest)
+    elif args.what == "attn-bench":
+        attn_bench()
     else:
         train_gpu()
     print(f"{len(COMPILED)} kernels compiled or loaded from the cache in {time.perf_counter() - t:.0f} s")

@@ -80,7 +80,9 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    # scripts/precompile_kernels.py's ``tests`` mode runs the GPU tests on CPU tensors (launches stubbed) to
+    # compile their kernels; their results are meaningless there
+    if torch.cuda.is_available() or os.environ.get("DSV41_TEST_DEVICE") == "cpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
