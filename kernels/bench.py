@@ -129,9 +129,7 @@ def attention_fwd(results, args):
 
 
 # fwd_kernel_sp options under trial (attndiag rows; each compared with the default's output)
-SP_VARIANTS = (dict(q_regs=256), dict(q_regs=384), dict(q_regs=448), dict(q_regs=448, stages=3),
-               dict(q_regs=448, stages=3, regs=(160, 184)), dict(q_regs=448, stages=3, regs=(160, 184), gather="cols"),
-               dict(q_regs=512, stages=3, regs=(160, 184)))
+SP_VARIANTS = (dict(prefetch=132), dict(overlap=True), dict(overlap=True, prefetch=132))
 
 
 def attention_diag(results, args):

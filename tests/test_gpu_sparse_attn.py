@@ -251,8 +251,8 @@ def test_sparse_attn_fwd_sp_is_default():
 # the PV split in two WGMMAs), each against reference.sparse_attn(block=BI), with a leading run of holes and
 # whole blocks of holes mid-row (zero-filled rows) and an all-hole row
 SP_CFGS = [dict(gather="cols"), dict(BI=32, stages=2), dict(BI=32, stages=3), dict(BI=32, stages=4),
-           dict(pv_split=2), dict(q_regs=256), dict(q_regs=448, stages=3, regs=(160, 184)),
-           dict(q_regs=448, stages=3, regs=(160, 184), gather="cols"), dict(q_regs=512, stages=3, regs=(160, 184))]
+           dict(pv_split=2), dict(prefetch=16), dict(overlap=True), dict(overlap=True, prefetch=16),
+           dict(overlap=True, gather="cols")]   # prefetch 16: queries 0-47 (of 64 / 37) prefetch, the rest not
 
 
 @pytest.mark.parametrize("cfg", SP_CFGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
@@ -262,7 +262,6 @@ def test_sparse_attn_fwd_sp_cfg(shape, cfg):
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     cfg = {**sa.FWD_SP_CFG, **cfg}
-    cfg["q_regs"] = min(cfg.get("q_regs", 0), shape[3])      # all of Q in registers where D < q_regs
     q, kv, sink, idx = _attn_inputs(*shape, seed=13)
     idx[-1, 1, :100] = -1
     idx[0, 3, 64:128] = -1
@@ -284,10 +283,8 @@ def test_sparse_attn_fwd_sp_option_errors():
         sa.fwd_kernel_sp(64, 512, 640, 0.1, gather="diag")
     with pytest.raises(ValueError, match="diag"):
         sa.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
-    with pytest.raises(ValueError, match="q_regs"):
-        sa.fwd_kernel_sp(64, 512, 640, 0.1, q_regs=100)
-    with pytest.raises(ValueError, match="regs"):
-        sa.fwd_kernel_sp(64, 512, 640, 0.1, regs=(168, 184))            # 2 x 168 + 184 > the pool of 504
+    with pytest.raises(ValueError, match="prefetch"):
+        sa.fwd_kernel_sp(64, 512, 640, 0.1, prefetch=-1)
 
 
 def _grads(impl, q, kv, sink, idx, scale, do):

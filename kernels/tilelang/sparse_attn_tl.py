@@ -405,15 +405,22 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
     return compile_kernel(sparse_attn_fwd_ws, out_idx=[4, 5])
 
 
-def _sp_smem(H: int, D: int, TP: int, BI: int, NS: int, q_regs: int = 0) -> int:
-    """fwd_kernel_sp's shared memory in bytes: Q's columns not held in registers, NS KV stages, the
-    double-buffered P, the index row."""
-    return H * (D - q_regs) * 2 + NS * BI * D * 2 + 2 * H * BI * 2 + TP * 4
+# cp.async.bulk.prefetch.L2 (sm_90): ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from global `p`
+_PREFETCH_L2 = r"""
+__device__ __forceinline__ void dsv41_prefetch_l2(const void* p, unsigned int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+"""
+
+
+def _sp_smem(H: int, D: int, TP: int, BI: int, NS: int) -> int:
+    """fwd_kernel_sp's shared memory in bytes: Q, NS KV stages, the double-buffered P, the index row."""
+    return (H + NS * BI) * D * 2 + 2 * H * BI * 2 + TP * 4
 
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, pv_split: int = 1,
-                  gather: str = "rows", diag: str = "", q_regs: int = 0, regs: tuple = ()):
+                  gather: str = "rows", diag: str = "", prefetch: int = 0, overlap: bool = False):
     """o, lse = fwd(q, kv, sink, idx) with the softmax and the P V product on different warpgroups (384
     threads); H == 64, TP a multiple of BI.
 
@@ -433,13 +440,14 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     (65536 / 512), below a PV warpgroup's 128 fp32 accumulators plus addresses (it spills 2.2 KB, and
     one m64n256 WGMMA needs 154); 384 threads leave 168.
 
-    ``q_regs`` (0 or a multiple of 64 up to D): the softmax warpgroup holds Q's first ``q_regs`` columns in
-    registers (loaded once from global memory) and its QK reads them as the WGMMA's register operand; only
-    the other D - q_regs columns are in shared memory. Each block's QK then reads H * q_regs * 2 bytes less
-    from shared memory, and the shared memory Q no longer takes can hold a third KV stage (q_regs >= 448 at
-    D = 512); O is stored through stage 0 instead of Q's buffer. All of Q in registers (q_regs = D) makes
-    ptxas serialise every WGMMA (C7512: 128 registers of Q, 32 of S, in at most 184). ``regs`` = (PV, softmax)
-    setmaxnreg budgets (``register_pool_per_row``), () for none; ptxas drops them where a role does not fit.
+    ``prefetch`` (0: off): one thread asks the L2 for query ``mi + prefetch``'s Q and index row (one bulk
+    prefetch each) when this CTA starts, so that the CTA which later takes that query (``prefetch`` = the SM
+    count: the next wave's) loads them from the L2 rather than from memory, and the CTAs of a wave do not all
+    read Q from memory at once.
+
+    ``overlap``: the softmax warpgroup shortens its path from one QK to the next: the next block's hole mask
+    is computed into a fragment of its own while the QK runs (then copied into S), and the row sum of P
+    comes after P has been handed over (same values, bitwise).
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = no gathers after the first ``stages``
     blocks (stale rows); "nosoftmax" = P = S (no max, exponentials or sums).
@@ -447,7 +455,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     Numerics: the recurrence of ``fwd_kernel`` with block BI (the release's for BI = 64: the running max
     moves once per block, P rounded to bf16 against it, the sum over the fp32 probabilities); not bitwise
     the lock-step kernel's (fp32 summation order: max abs 2e-3 on the release inputs, as ``fwd_kernel_ws``).
-    Shared memory: H * (D - q_regs) * 2 (Q) + stages * BI * D * 2 + 2 * H * BI * 2 + TP * 4 bytes.
+    Shared memory: Q 64 KB + stages * BI * D * 2 + 2 * H * BI * 2 + TP * 4 bytes.
     """
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     if H != 64 or D % 128 or D > 512:
@@ -455,9 +463,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     NS = stages
     if TP % BI or BI % 32 or NS < 2 or TP < NS * BI:
         raise ValueError("fwd_kernel_sp: TP a multiple of BI (at least stages * BI), BI a multiple of 32, stages >= 2")
-    if q_regs % 64 or not 0 <= q_regs <= D:
-        raise ValueError("fwd_kernel_sp: q_regs a multiple of 64 in [0, D]")
-    if _sp_smem(H, D, TP, BI, NS, q_regs) > 227 * 1024 - 2048:
+    if _sp_smem(H, D, TP, BI, NS) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_sp: shared memory over 227 KB")
     DH = D // 2
     if diag not in ("", "compute", "nosoftmax"):
@@ -466,11 +472,8 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
         raise ValueError(f"fwd_kernel_sp: gather {gather!r}")
     if pv_split not in (1, 2) or (DH // pv_split) % 8:
         raise ValueError("fwd_kernel_sp: pv_split 1 or 2, D / 2 / pv_split a multiple of 8")
-    if regs and (len(regs) != 2 or 2 * regs[0] + regs[1] > register_pool_per_row(384)
-                 or any(r % 8 or not 24 <= r <= 256 for r in regs)):
-        raise ValueError(f"fwd_kernel_sp: regs (PV, softmax) multiples of 8 in [24, 256] summing (2 PV + 1 "
-                         f"softmax) to at most {register_pool_per_row(384)}, got {regs}")
-    QR = q_regs
+    if prefetch < 0:
+        raise ValueError("fwd_kernel_sp: prefetch (queries ahead) must be >= 0")
     NI = TP // BI
     PN = DH // pv_split
     c = float(scale) * LOG2E
@@ -499,36 +502,37 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
                                    T.access_ptr(KV[bi, src, u * 64 + (t % 8) * 8], "r", 8), 8)
 
     @T.macro
-    def softmax_wg(t, acc_s, q_r, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty, bar_q,
+    def softmax_wg(t, acc_s, bias, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty, bar_q,
                    bar_fin, Q, Idx, Sink, Lse, bi, mi):
         for r in T.serial((TP // 4 + 127) // 128):   # the index row, 4 slots a copy
             if r * 128 + t < TP // 4:
                 T.ptx_cp_async(T.access_ptr(idx_s[(r * 128 + t) * 4], "w", 4),
                                T.access_ptr(Idx[bi, mi, (r * 128 + t) * 4], "r", 4), 4)
-        if QR == 0:
-            load_q(t, q_s, Q, bi, mi, bar_q)    # its arrive on bar_q also covers the index row's copies
-        else:                                   # Q's columns [QR, D) into q_s (8 threads a row, 16 rows a pass)
-            for r in T.unroll(H // 16):
-                for u in T.unroll((D - QR) // 64):
-                    T.ptx_cp_async(T.access_ptr(q_s[r * 16 + t // 8, u * 64 + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(Q[bi, mi, r * 16 + t // 8, QR + u * 64 + (t % 8) * 8], "r", 8), 8)
-            T.cp_async_barrier_noinc(bar_q)
-            T.copy(Q[bi, mi, :, 0:QR], q_r)
+        load_q(t, q_s, Q, bi, mi, bar_q)        # its arrive on bar_q also covers the index row's copies
+        if prefetch:
+            if t == 0 and mi + prefetch < M:    # a later CTA's Q and index row into the L2
+                T.call_extern("handle", "dsv41_prefetch_l2", T.access_ptr(Q[bi, mi + prefetch, 0, 0], "r", H * D), H * D * 2)
+                T.call_extern("handle", "dsv41_prefetch_l2", T.access_ptr(Idx[bi, mi + prefetch, 0], "r", TP), TP * 4)
         T.fill(l, 0)
         T.fill(m, -1e30)
         if diag == "nosoftmax":
             T.fill(a, 1)
         T.barrier_wait(bar_q, 0)
-        for j in T.serial(NI):
+        if overlap:
             for h, tt in T.Parallel(H, BI):
-                acc_s[h, tt] = T.if_then_else(idx_s[j * BI + tt] >= 0, 0, -T.infinity(F32))
-            T.barrier_wait(full[j % NS], (j // NS) % 2)
-            if QR == 0:
-                T.wgmma_gemm(q_s, kv_s[j % NS, :, :], acc_s, transpose_B=True)
+                bias[h, tt] = T.if_then_else(idx_s[tt] >= 0, 0, -T.infinity(F32))
+        for j in T.serial(NI):
+            if overlap:
+                T.copy(bias, acc_s)
             else:
-                T.wgmma_gemm(q_r, kv_s[j % NS, :, 0:QR], acc_s, transpose_B=True)
-                if QR < D:
-                    T.wgmma_gemm(q_s, kv_s[j % NS, :, QR:D], acc_s, transpose_B=True)
+                for h, tt in T.Parallel(H, BI):
+                    acc_s[h, tt] = T.if_then_else(idx_s[j * BI + tt] >= 0, 0, -T.infinity(F32))
+            T.barrier_wait(full[j % NS], (j // NS) % 2)
+            T.wgmma_gemm(q_s, kv_s[j % NS, :, :], acc_s, transpose_B=True)
+            if overlap:                         # the next block's hole mask while the QK runs
+                if j + 1 < NI:
+                    for h, tt in T.Parallel(H, BI):
+                        bias[h, tt] = T.if_then_else(idx_s[(j + 1) * BI + tt] >= 0, 0, -T.infinity(F32))
             T.wait_wgmma(0)
             if diag != "nosoftmax":
                 T.copy(m, mp)
@@ -537,14 +541,19 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
                     a[h] = T.exp2((mp[h] - m[h]) * c)
                 for h, tt in T.Parallel(H, BI):
                     acc_s[h, tt] = T.exp2(acc_s[h, tt] * c - m[h] * c)
-                T.reduce_sum(acc_s, ls, dim=1)
-                for h in T.Parallel(H):
-                    l[h] = l[h] * a[h] + ls[h]
+                if not overlap:
+                    T.reduce_sum(acc_s, ls, dim=1)
+                    for h in T.Parallel(H):
+                        l[h] = l[h] * a[h] + ls[h]
             T.barrier_wait(p_empty[j % 2], ((j // 2) % 2) ^ 1)
             T.copy(acc_s, p_s[j % 2, :, :])
             T.copy(a, al_s[j % 2, :])
             T.fence_proxy_async()               # P: generic stores, read next by WGMMA (async proxy)
             T.barrier_arrive(p_full[j % 2])
+            if overlap and diag != "nosoftmax":   # the row sum after the hand-over: PV does not need it
+                T.reduce_sum(acc_s, ls, dim=1)
+                for h in T.Parallel(H):
+                    l[h] = l[h] * a[h] + ls[h]
         for h in T.Parallel(H):
             l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
         T.copy(l, l_s)
@@ -560,13 +569,10 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
         T.wgmma_gemm(p_s[j % 2, :, :], kv_s[j % NS, :, w * DH + k * PN:w * DH + (k + 1) * PN], acc)
 
     @T.macro
-    def pv_out(w, k, acc, a, q_s, kv_s):
+    def pv_out(w, k, acc, a, q_s):
         for h, d in T.Parallel(H, PN):
             acc[h, d] /= a[h]
-        if QR:                                  # stage 0: this warpgroup's columns are read by no one else now
-            T.copy(acc, kv_s[0, :, w * DH + k * PN:w * DH + (k + 1) * PN])
-        else:
-            T.copy(acc, q_s[:, w * DH + k * PN:w * DH + (k + 1) * PN])
+        T.copy(acc, q_s[:, w * DH + k * PN:w * DH + (k + 1) * PN])
 
     @T.macro
     def pv_wg(w, t, acc0, acc1, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty, bar_q, bar_fin,
@@ -600,13 +606,10 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
         T.barrier_wait(bar_fin, 0)
         for h in T.Parallel(H):
             a[h] = l_s[h]
-        pv_out(w, 0, acc0, a, q_s, kv_s)
+        pv_out(w, 0, acc0, a, q_s)
         if pv_split == 2:
-            pv_out(w, 1, acc1, a, q_s, kv_s)
-        if QR:
-            T.copy(kv_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
-        else:
-            T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+            pv_out(w, 1, acc1, a, q_s)
+        T.copy(q_s[:, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
 
     @T.prim_func
     def sparse_attn_fwd_sp(
@@ -618,8 +621,10 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
         Lse: T.Tensor([B, M, H], F32),
     ):
         with T.Kernel(M, B, threads=384) as (mi, bi):
+            if prefetch:
+                T.import_source(_PREFETCH_L2)
+            q_s = T.alloc_shared([H, D], BF16)
             kv_s = T.alloc_shared([NS, BI, D], BF16)
-            q_s = T.alloc_shared([H, max(D - QR, 64)], BF16)          # Q's columns [QR, D)
             p_s = T.alloc_shared([2, H, BI], BF16)
             idx_s = T.alloc_shared([TP], I32)
             al_s = T.alloc_shared([2, H], F32)
@@ -632,7 +637,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
             acc11 = T.alloc_fragment([H, PN], F32)
             a1 = T.alloc_fragment([H], F32)
             acc_s = T.alloc_fragment([H, BI], F32)
-            q_r = T.alloc_fragment([H, max(QR, 64)], BF16)
+            bias = T.alloc_fragment([H, BI], F32)
             m = T.alloc_fragment([H], F32)
             mp = T.alloc_fragment([H], F32)
             l = T.alloc_fragment([H], F32)
@@ -647,21 +652,14 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
             bar_fin = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
-            base = register_pool_per_row(384) // 3         # what each thread launches with (168)
             if tx < 128:
-                if regs:                        # inside each role's branch, or ptxas drops it
-                    T.set_max_nreg(regs[0], int(regs[0] > base))
                 pv_wg(0, tx, acc00, acc01, a0, q_s, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty, bar_q,
                       bar_fin, KV, Idx, O, bi, mi)
             elif tx < 256:
-                if regs:
-                    T.set_max_nreg(regs[0], int(regs[0] > base))
                 pv_wg(1, tx - 128, acc10, acc11, a1, q_s, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty,
                       bar_q, bar_fin, KV, Idx, O, bi, mi)
             else:
-                if regs:
-                    T.set_max_nreg(regs[1], int(regs[1] > base))
-                softmax_wg(tx - 256, acc_s, q_r, m, mp, l, ls, a2, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty,
+                softmax_wg(tx - 256, acc_s, bias, m, mp, l, ls, a2, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty,
                            bar_q, bar_fin, Q, Idx, Sink, Lse, bi, mi)
 
     return compile_kernel(sparse_attn_fwd_sp, out_idx=[4, 5])
