@@ -128,8 +128,10 @@ def attention_fwd(results, args):
                        fl, by_f, "gather excluded; mask -> efficient/math kernel"))
 
 
-# fwd_kernel_sp options under trial (attndiag rows; each compared with the default's output)
-SP_VARIANTS = (dict(prefetch=132), dict(overlap=True), dict(overlap=True, prefetch=132))
+# fwd_kernel_sp options under trial (attndiag rows, each compared with the default's output); runs 32-34 tried
+# Q in registers (q_regs), an L2 prefetch of the next wave's Q, and a shorter softmax path (commits 781ebc5,
+# 41f92cb): none was faster, and they were removed
+SP_VARIANTS: tuple = ()
 
 
 def attention_diag(results, args):

@@ -251,8 +251,7 @@ def test_sparse_attn_fwd_sp_is_default():
 # the PV split in two WGMMAs), each against reference.sparse_attn(block=BI), with a leading run of holes and
 # whole blocks of holes mid-row (zero-filled rows) and an all-hole row
 SP_CFGS = [dict(gather="cols"), dict(BI=32, stages=2), dict(BI=32, stages=3), dict(BI=32, stages=4),
-           dict(pv_split=2), dict(prefetch=16), dict(overlap=True), dict(overlap=True, prefetch=16),
-           dict(overlap=True, gather="cols")]   # prefetch 16: queries 0-47 (of 64 / 37) prefetch, the rest not
+           dict(pv_split=2)]
 
 
 @pytest.mark.parametrize("cfg", SP_CFGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
@@ -283,8 +282,6 @@ def test_sparse_attn_fwd_sp_option_errors():
         sa.fwd_kernel_sp(64, 512, 640, 0.1, gather="diag")
     with pytest.raises(ValueError, match="diag"):
         sa.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
-    with pytest.raises(ValueError, match="prefetch"):
-        sa.fwd_kernel_sp(64, 512, 640, 0.1, prefetch=-1)
 
 
 def _grads(impl, q, kv, sink, idx, scale, do):

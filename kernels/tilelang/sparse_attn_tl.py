@@ -16,11 +16,17 @@ Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
   warpgroups. A softmax warpgroup computes S = Q K^T for a whole 64-slot block (m64n64 over the full D) and
   the softmax, and hands bf16 P to two PV warpgroups (one D half each) through a double buffer, so it works
   on block j + 1 while they multiply block j; the PV warpgroups refill the two-stage KV ring themselves.
-  **479.6 TFLOP/s** at the release shape (H200 run 31). What limits it (run 30-31 ablations): with only two
-  64-row stages (Q takes 64 KB of the shared memory) the gather latency is exposed (no gathers: 495; random
-  indices, no holes: 490-500); the softmax costs ~7%. Next step: a deeper ring, which needs Q out of shared
-  memory (registers do not fit: 65536 / 384 threads caps each at 168) or the KV gather split by D halves
-  with separate barriers per half.
+  **479.6 TFLOP/s** at the release shape (H200 run 31; 468-479 in runs 32-34). What limits it: not shared-memory
+  bandwidth (run 32: Q held in registers, 56 KB a block less traffic, a third stage: no faster; Nsight Compute:
+  tensor pipe 50%, shared memory 53%, no eligible warp 68% of cycles) and hardly the gathers (no gathers: 492-495);
+  it is the softmax warpgroup's serial path: it waits for its QK (sharing the tensor core with the previous
+  block's PV), then softmaxes with the tensor core idle (no softmax: 511-532). Over T the time is 0.085 ms + 1.01
+  us a slot: 12% is per-query start and end, the steady state 529 TFLOP/s. Moving work off that path (the next
+  hole mask during the QK, the row sum after P's hand-over: 453-459) or an L2 prefetch of the next wave's Q
+  (473-480) did not help (runs 33-34). Next step: QK j+1 issued before softmax j, which needs two S accumulators and
+  a third KV stage, so Q out of shared memory; with two PV warpgroups of 160 registers the softmax warpgroup's
+  184 cannot also hold Q (128), so that needs another split of the work: e.g. two CTAs of a cluster each taking
+  half of D (half of Q and of each KV row, partial scores exchanged through distributed shared memory).
 - ``fwd_kernel_ws``, warp-specialised: a producer warpgroup gathers KV blocks into a ring of shared stages
   and two consumer warpgroups split each pair of blocks' QK and the output's D halves (365 TFLOP/s, run 10;
   the fallback for block 128 and shapes sp does not take). Its two consumers meet in lock-step at every pair
@@ -405,14 +411,6 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
     return compile_kernel(sparse_attn_fwd_ws, out_idx=[4, 5])
 
 
-# cp.async.bulk.prefetch.L2 (sm_90): ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from global `p`
-_PREFETCH_L2 = r"""
-__device__ __forceinline__ void dsv41_prefetch_l2(const void* p, unsigned int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
-"""
-
-
 def _sp_smem(H: int, D: int, TP: int, BI: int, NS: int) -> int:
     """fwd_kernel_sp's shared memory in bytes: Q, NS KV stages, the double-buffered P, the index row."""
     return (H + NS * BI) * D * 2 + 2 * H * BI * 2 + TP * 4
@@ -420,7 +418,7 @@ def _sp_smem(H: int, D: int, TP: int, BI: int, NS: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int = 2, pv_split: int = 1,
-                  gather: str = "rows", diag: str = "", prefetch: int = 0, overlap: bool = False):
+                  gather: str = "rows", diag: str = ""):
     """o, lse = fwd(q, kv, sink, idx) with the softmax and the P V product on different warpgroups (384
     threads); H == 64, TP a multiple of BI.
 
@@ -439,15 +437,6 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     Why no producer warpgroup: with a fourth warpgroup ptxas caps every thread at 128 registers
     (65536 / 512), below a PV warpgroup's 128 fp32 accumulators plus addresses (it spills 2.2 KB, and
     one m64n256 WGMMA needs 154); 384 threads leave 168.
-
-    ``prefetch`` (0: off): one thread asks the L2 for query ``mi + prefetch``'s Q and index row (one bulk
-    prefetch each) when this CTA starts, so that the CTA which later takes that query (``prefetch`` = the SM
-    count: the next wave's) loads them from the L2 rather than from memory, and the CTAs of a wave do not all
-    read Q from memory at once.
-
-    ``overlap``: the softmax warpgroup shortens its path from one QK to the next: the next block's hole mask
-    is computed into a fragment of its own while the QK runs (then copied into S), and the row sum of P
-    comes after P has been handed over (same values, bitwise).
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = no gathers after the first ``stages``
     blocks (stale rows); "nosoftmax" = P = S (no max, exponentials or sums).
@@ -472,8 +461,6 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
         raise ValueError(f"fwd_kernel_sp: gather {gather!r}")
     if pv_split not in (1, 2) or (DH // pv_split) % 8:
         raise ValueError("fwd_kernel_sp: pv_split 1 or 2, D / 2 / pv_split a multiple of 8")
-    if prefetch < 0:
-        raise ValueError("fwd_kernel_sp: prefetch (queries ahead) must be >= 0")
     NI = TP // BI
     PN = DH // pv_split
     c = float(scale) * LOG2E
@@ -502,37 +489,23 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
                                    T.access_ptr(KV[bi, src, u * 64 + (t % 8) * 8], "r", 8), 8)
 
     @T.macro
-    def softmax_wg(t, acc_s, bias, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty, bar_q,
+    def softmax_wg(t, acc_s, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty, bar_q,
                    bar_fin, Q, Idx, Sink, Lse, bi, mi):
         for r in T.serial((TP // 4 + 127) // 128):   # the index row, 4 slots a copy
             if r * 128 + t < TP // 4:
                 T.ptx_cp_async(T.access_ptr(idx_s[(r * 128 + t) * 4], "w", 4),
                                T.access_ptr(Idx[bi, mi, (r * 128 + t) * 4], "r", 4), 4)
         load_q(t, q_s, Q, bi, mi, bar_q)        # its arrive on bar_q also covers the index row's copies
-        if prefetch:
-            if t == 0 and mi + prefetch < M:    # a later CTA's Q and index row into the L2
-                T.call_extern("handle", "dsv41_prefetch_l2", T.access_ptr(Q[bi, mi + prefetch, 0, 0], "r", H * D), H * D * 2)
-                T.call_extern("handle", "dsv41_prefetch_l2", T.access_ptr(Idx[bi, mi + prefetch, 0], "r", TP), TP * 4)
         T.fill(l, 0)
         T.fill(m, -1e30)
         if diag == "nosoftmax":
             T.fill(a, 1)
         T.barrier_wait(bar_q, 0)
-        if overlap:
-            for h, tt in T.Parallel(H, BI):
-                bias[h, tt] = T.if_then_else(idx_s[tt] >= 0, 0, -T.infinity(F32))
         for j in T.serial(NI):
-            if overlap:
-                T.copy(bias, acc_s)
-            else:
-                for h, tt in T.Parallel(H, BI):
-                    acc_s[h, tt] = T.if_then_else(idx_s[j * BI + tt] >= 0, 0, -T.infinity(F32))
+            for h, tt in T.Parallel(H, BI):
+                acc_s[h, tt] = T.if_then_else(idx_s[j * BI + tt] >= 0, 0, -T.infinity(F32))
             T.barrier_wait(full[j % NS], (j // NS) % 2)
             T.wgmma_gemm(q_s, kv_s[j % NS, :, :], acc_s, transpose_B=True)
-            if overlap:                         # the next block's hole mask while the QK runs
-                if j + 1 < NI:
-                    for h, tt in T.Parallel(H, BI):
-                        bias[h, tt] = T.if_then_else(idx_s[(j + 1) * BI + tt] >= 0, 0, -T.infinity(F32))
             T.wait_wgmma(0)
             if diag != "nosoftmax":
                 T.copy(m, mp)
@@ -541,19 +514,14 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
                     a[h] = T.exp2((mp[h] - m[h]) * c)
                 for h, tt in T.Parallel(H, BI):
                     acc_s[h, tt] = T.exp2(acc_s[h, tt] * c - m[h] * c)
-                if not overlap:
-                    T.reduce_sum(acc_s, ls, dim=1)
-                    for h in T.Parallel(H):
-                        l[h] = l[h] * a[h] + ls[h]
+                T.reduce_sum(acc_s, ls, dim=1)
+                for h in T.Parallel(H):
+                    l[h] = l[h] * a[h] + ls[h]
             T.barrier_wait(p_empty[j % 2], ((j // 2) % 2) ^ 1)
             T.copy(acc_s, p_s[j % 2, :, :])
             T.copy(a, al_s[j % 2, :])
             T.fence_proxy_async()               # P: generic stores, read next by WGMMA (async proxy)
             T.barrier_arrive(p_full[j % 2])
-            if overlap and diag != "nosoftmax":   # the row sum after the hand-over: PV does not need it
-                T.reduce_sum(acc_s, ls, dim=1)
-                for h in T.Parallel(H):
-                    l[h] = l[h] * a[h] + ls[h]
         for h in T.Parallel(H):
             l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
         T.copy(l, l_s)
@@ -621,8 +589,6 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
         Lse: T.Tensor([B, M, H], F32),
     ):
         with T.Kernel(M, B, threads=384) as (mi, bi):
-            if prefetch:
-                T.import_source(_PREFETCH_L2)
             q_s = T.alloc_shared([H, D], BF16)
             kv_s = T.alloc_shared([NS, BI, D], BF16)
             p_s = T.alloc_shared([2, H, BI], BF16)
@@ -637,7 +603,6 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
             acc11 = T.alloc_fragment([H, PN], F32)
             a1 = T.alloc_fragment([H], F32)
             acc_s = T.alloc_fragment([H, BI], F32)
-            bias = T.alloc_fragment([H, BI], F32)
             m = T.alloc_fragment([H], F32)
             mp = T.alloc_fragment([H], F32)
             l = T.alloc_fragment([H], F32)
@@ -659,7 +624,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
                 pv_wg(1, tx - 128, acc10, acc11, a1, q_s, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty,
                       bar_q, bar_fin, KV, Idx, O, bi, mi)
             else:
-                softmax_wg(tx - 256, acc_s, bias, m, mp, l, ls, a2, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty,
+                softmax_wg(tx - 256, acc_s, m, mp, l, ls, a2, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty,
                            bar_q, bar_fin, Q, Idx, Sink, Lse, bi, mi)
 
     return compile_kernel(sparse_attn_fwd_sp, out_idx=[4, 5])
