@@ -128,10 +128,12 @@ def attention_fwd(results, args):
                        fl, by_f, "gather excluded; mask -> efficient/math kernel"))
 
 
-# fwd_kernel_sp options under trial (attndiag rows, each compared with the default's output); runs 32-34 tried
-# Q in registers (q_regs), an L2 prefetch of the next wave's Q, and a shorter softmax path (commits 781ebc5,
-# 41f92cb): none was faster, and they were removed
-SP_VARIANTS: tuple = ()
+# attndiag's rows (also compiled ahead by scripts/precompile_kernels.py attn-bench): fwd_kernel_ws's diag knobs,
+# fwd_kernel_sp's configurations (each compared with the default's output; options under trial go here), and
+# the multiples of 640 random index slots a query
+WS_DIAGS = ("", "compute", "nosoftmax")
+SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
+SLOT_MULTS = (1, 2, 4)
 
 
 def attention_diag(results, args):
@@ -145,7 +147,7 @@ def attention_diag(results, args):
     H, D = q.shape[2], q.shape[3]
     cfg = sa.FWD_WS_CFG[64]
     ip = sa._pad_idx(idx, 2 * cfg["BI"])
-    for diag in ("", "compute", "nosoftmax"):
+    for diag in WS_DIAGS:
         try:
             kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg, diag=diag)
             results.append(row(f"  ws diag={diag or 'none'}", bench(lambda: kf(q, kv, sink, ip)), fl, by_f))
@@ -154,7 +156,7 @@ def attention_diag(results, args):
     # the split-softmax kernel (the default), its gather layouts and its own ablations
     ip64 = sa._pad_idx(idx, sa.FWD_SP_CFG["BI"])
     o_ref = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sa.FWD_SP_CFG)(q, kv, sink, ip64)
-    for kw in (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax")) + SP_VARIANTS:
+    for kw in SP_DIAG_ROWS:
         name = f"  sp {json.dumps(kw, separators=(',', ':'))}"
         try:
             kf = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sa.FWD_SP_CFG, **kw})
@@ -166,7 +168,7 @@ def attention_diag(results, args):
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(2)
     B, M, N = q.shape[0], q.shape[1], kv.shape[1]
-    for mult in (1, 2, 4):
+    for mult in SLOT_MULTS:
         T_ = 640 * mult
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D

@@ -211,9 +211,9 @@ def _meta_references(min_numel=1 << 22):
             leaves = [x for x in optree.tree_leaves((a, k)) if isinstance(x, torch.Tensor)]
             if not any(x.numel() >= min_numel for x in leaves):
                 return f(*a, **k)
+            ma, mk = optree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (a, k))
             try:
-                out = f(*optree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (a, k))[0],
-                        **optree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, k))
+                out = f(*ma, **mk)
             except Exception:
                 return f(*a, **k)
             return optree.tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
@@ -228,8 +228,11 @@ def _meta_references(min_numel=1 << 22):
 
 
 def gpu_tests(pytest_args):
-    """Run GPU tests with CPU tensors (``DSV41_TEST_DEVICE=cpu``, see tests/gpu_common.py) through the stub."""
+    """Run GPU tests with CPU tensors (``DSV41_TEST_DEVICE=cpu``, read by tests/gpu_common.py and conftest.py when
+    pytest collects them) through the stub."""
     import pytest
+    os.environ["DSV41_TEST_DEVICE"] = "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
     _meta_references()
     pytest.main(["-q", "-p", "no:cacheprovider", "--tb=no", "-o", "addopts=", *pytest_args])
 
@@ -241,11 +244,11 @@ def attn_bench():
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     H, D, scale = 64, 512, 512 ** -0.5
     ws = sa.FWD_WS_CFG[64]
-    for diag in ("", "compute", "nosoftmax"):
+    for diag in bench.WS_DIAGS:
         sa.fwd_kernel_ws(H, D, 640, scale, **ws, diag=diag)
-    for kw in (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax")) + bench.SP_VARIANTS:
+    for kw in bench.SP_DIAG_ROWS:
         sa.fwd_kernel_sp(H, D, 640, scale, **{**sa.FWD_SP_CFG, **kw})
-    for T_ in (1280, 2560):
+    for T_ in (640 * m for m in bench.SLOT_MULTS if m > 1):
         sa.fwd_kernel_ws(H, D, T_, scale, **ws)
         sa.fwd_kernel_sp(H, D, T_, scale, **sa.FWD_SP_CFG)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
@@ -258,9 +261,6 @@ def main(argv=None):
     args, rest = ap.parse_known_args(argv)
     if rest and args.what != "tests":
         ap.error(f"unrecognised arguments: {' '.join(rest)}")
-    if args.what == "tests":
-        os.environ["DSV41_TEST_DEVICE"] = "cpu"
-        torch.Tensor.cuda = lambda self, *a, **k: self
     if "DSV41_TL_TARGET" not in os.environ:
         raise SystemExit("set DSV41_TL_TARGET (source scripts/local_tilelang_env.sh) to compile for the H200")
     install()

@@ -2,10 +2,11 @@
 # Registers and spills of TileLang kernels as ptxas sees them (sm_90a), on a machine without a GPU:
 #   source scripts/local_tilelang_env.sh; bash scripts/ptxas_report.sh [NAME_PATTERN [NEWEST_N]]
 # For each kernel in TileLang's cache whose generated CUDA defines a __global__ matching NAME_PATTERN (a grep -E
-# pattern, default: every kernel; NEWEST_N: only the N most recently compiled kernels), compiles device_kernel.cu to a cubin with `ptxas --verbose` and prints the
-# kernel's cache folder, name, registers, stack frame and spill bytes, its setmaxnreg budgets and ptxas's C75xx
-# performance warning (e.g. C7512: WGMMAs serialised for lack of registers), which TileLang's own build hides. Spills in a WGMMA kernel usually mean a
-# register budget (setmaxnreg, 65536 / threads) below what the accumulators and descriptors need.
+# pattern, default: every kernel; NEWEST_N: only the N most recently compiled kernels), compiles device_kernel.cu
+# to a cubin with `ptxas --verbose` and prints the kernel's cache folder, name, registers, stack frame and spill
+# bytes, its setmaxnreg budgets and ptxas's C75xx performance warning (e.g. C7512: WGMMAs serialised for lack of
+# registers), which TileLang's own build hides. Spills in a WGMMA kernel usually mean a register budget
+# (setmaxnreg, 65536 / threads) below what the accumulators and descriptors need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pat=${1:-.}
