@@ -142,6 +142,7 @@ def attention_diag(results, args):
     over more index slots per query (2x, 4x: how much of a query's time is its fixed start and end). GB/s is
     the gathered KV rows (plus Q and O) over the time."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
     a = _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
     H, D = q.shape[2], q.shape[3]
@@ -154,12 +155,12 @@ def attention_diag(results, args):
         except Exception as e:
             print(f"  ws diag={diag}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     # the split-softmax kernel (the default), its gather layouts and its own ablations
-    ip64 = sa._pad_idx(idx, sa.FWD_SP_CFG["BI"])
-    o_ref = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sa.FWD_SP_CFG)(q, kv, sink, ip64)
+    ip64 = sa._pad_idx(idx, sp.FWD_SP_CFG["BI"])
+    o_ref = sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG)(q, kv, sink, ip64)
     for kw in SP_DIAG_ROWS:
         name = f"  sp {json.dumps(kw, separators=(',', ':'))}"
         try:
-            kf = sa.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sa.FWD_SP_CFG, **kw})
+            kf = sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sp.FWD_SP_CFG, **kw})
             o, lse = kf(q, kv, sink, ip64)
             note = "" if kw.get("diag") else (f"vs default: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
                                               f"lse {(lse - o_ref[1]).abs().max():.2e}")
@@ -176,7 +177,7 @@ def attention_diag(results, args):
         for kind in ("ws", "sp"):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
-                      else sa.fwd_kernel_sp(H, D, T_, scale, **sa.FWD_SP_CFG))
+                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:
                 print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -242,15 +242,16 @@ def attn_bench():
     rows at 2x / 4x), and the default forward of "attnfwd"."""
     from functional_dsv41.kernels import bench
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
     H, D, scale = 64, 512, 512 ** -0.5
     ws = sa.FWD_WS_CFG[64]
     for diag in bench.WS_DIAGS:
         sa.fwd_kernel_ws(H, D, 640, scale, **ws, diag=diag)
     for kw in bench.SP_DIAG_ROWS:
-        sa.fwd_kernel_sp(H, D, 640, scale, **{**sa.FWD_SP_CFG, **kw})
+        sp.fwd_kernel_sp(H, D, 640, scale, **{**sp.FWD_SP_CFG, **kw})
     for T_ in (640 * m for m in bench.SLOT_MULTS if m > 1):
         sa.fwd_kernel_ws(H, D, T_, scale, **ws)
-        sa.fwd_kernel_sp(H, D, T_, scale, **sa.FWD_SP_CFG)
+        sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 
 

@@ -242,9 +242,10 @@ def test_sparse_attn_fwd_sp_is_default():
     """The release shape takes the split-softmax kernel by default (sparse_attn_tl.FWD_DEFAULT); shapes it
     cannot hold fall back to the warp-specialised one (block 128 too) or the lock-step one (H != 64)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    assert sa.FWD_DEFAULT == "sp" and sa.sp_fits(64, 512, 640) and sa.ws_fits(64, 512)
-    assert not sa.sp_fits(16, 64, 640) and not sa.sp_fits(64, 512, 64)          # fewer slots than its two stages
-    assert not sa.sp_fits(64, 512, 64 * 1024)                                   # the index row over the smem
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    assert sa.FWD_DEFAULT == "sp" and sp.sp_fits(64, 512, 640) and sa.ws_fits(64, 512)
+    assert not sp.sp_fits(16, 64, 640) and not sp.sp_fits(64, 512, 64)          # fewer slots than its two stages
+    assert not sp.sp_fits(64, 512, 64 * 1024)                                   # the index row over the smem
 
 
 # fwd_kernel_sp configurations beyond FWD_SP_CFG (the other gather layout, 32-slot blocks with 2-4 stages,
@@ -260,28 +261,29 @@ SP_CFGS = [dict(gather="cols"), dict(BI=32, stages=2), dict(BI=32, stages=3), di
 def test_sparse_attn_fwd_sp_cfg(shape, cfg):
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    cfg = {**sa.FWD_SP_CFG, **cfg}
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    cfg = {**sp.FWD_SP_CFG, **cfg}
     q, kv, sink, idx = _attn_inputs(*shape, seed=13)
     idx[-1, 1, :100] = -1
     idx[0, 3, 64:128] = -1
     scale = shape[3] ** -0.5
     ip = sa._pad_idx(idx, cfg["BI"])                  # 130 slots -> 160 / 192: at least BI * stages
-    o, lse = sa.fwd_kernel_sp(64, shape[3], ip.shape[-1], scale, **cfg)(q, kv, sink.float(), ip)
+    o, lse = sp.fwd_kernel_sp(64, shape[3], ip.shape[-1], scale, **cfg)(q, kv, sink.float(), ip)
     _check_fwd_out(o, lse, q, kv, sink, idx, scale, cfg["BI"], f"sp {cfg}")
 
 
 def test_sparse_attn_fwd_sp_option_errors():
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
     with pytest.raises(ValueError, match="H must be 64"):
-        sa.fwd_kernel_sp(32, 512, 640, 0.1)
+        sp.fwd_kernel_sp(32, 512, 640, 0.1)
     with pytest.raises(ValueError, match="multiple of BI"):
-        sa.fwd_kernel_sp(64, 512, 600, 0.1)
+        sp.fwd_kernel_sp(64, 512, 600, 0.1)
     with pytest.raises(ValueError, match="shared memory"):
-        sa.fwd_kernel_sp(64, 512, 640, 0.1, stages=3)
+        sp.fwd_kernel_sp(64, 512, 640, 0.1, stages=3)
     with pytest.raises(ValueError, match="gather"):
-        sa.fwd_kernel_sp(64, 512, 640, 0.1, gather="diag")
+        sp.fwd_kernel_sp(64, 512, 640, 0.1, gather="diag")
     with pytest.raises(ValueError, match="diag"):
-        sa.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
+        sp.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
 
 
 def _grads(impl, q, kv, sink, idx, scale, do):
