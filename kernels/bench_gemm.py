@@ -27,6 +27,7 @@ def gemms(results, args):
     """fp8 GEMM sweep over args.gemm_cfgs (default first) and FP8_WS_CFGS + the e2e call and the peers."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp8 GEMM (32-wide e8m0 blocks) M={M} N={N} K={K}: {2 * M * N * K / 1e9:.1f} GFLOP", flush=True)
         x = torch.randn(M, K, device="cuda").bfloat16()
@@ -39,7 +40,7 @@ def gemms(results, args):
             try:                                   # a failing variant prints its error, the sweep goes on
                 kc = dict(cfg)
                 build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "loop": fg.fp8_gemm_kernel,
-                         "ws": fg.fp8_gemm_ws_kernel}[kc.pop("kernel", "pingpong")]
+                         "ws": fw.fp8_gemm_ws_kernel}[kc.pop("kernel", "pingpong")]
                 k = build(N, K, **kc)
                 results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by))
             except Exception as e:
@@ -62,6 +63,7 @@ def gemm_diag(results, args):
     GEMM's ceiling under multicast (diag="no_wait")."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     M, N, K = 4096, 5120, 5120
     print(f"-- fp8 GEMM diagnostics M={M} N={N} K={K} (diag rows ignore the scales: timing only)", flush=True)
     a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
@@ -75,7 +77,7 @@ def gemm_diag(results, args):
     for base, diag in variants:
         name = f"fp8_gemm ws {json.dumps(dict(base, diag=diag), separators=(',', ':'))}"
         try:
-            k = fg.fp8_gemm_ws_kernel(N, K, **base, diag=diag)
+            k = fw.fp8_gemm_ws_kernel(N, K, **base, diag=diag)
             results.append(row(name, bench(lambda: k(a, sa, b, sb)), 2 * M * N * K))
         except Exception as e:
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -193,6 +195,7 @@ def gemm_wide(results, args):
     be: the same WGMMAs in the same order, only the bytes' placement in shared memory differs)."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     from functional_dsv41.kernels.tilelang._gemm import dequant_bf16
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp8 GEMM shared layout M={M} N={N} K={K}", flush=True)
@@ -202,7 +205,7 @@ def gemm_wide(results, args):
         fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
         for cfg in GEMM_WIDE_CFGS:
             kc = dict(cfg)
-            build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "ws": fg.fp8_gemm_ws_kernel,
+            build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "ws": fw.fp8_gemm_ws_kernel,
                      "loop": fg.fp8_gemm_kernel}[kc.pop("kernel")]
             outs = []
             for sw in (False, True):

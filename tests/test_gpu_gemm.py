@@ -147,11 +147,11 @@ def test_swizzle128_layout_in_generated_code():
 def test_fp8_gemm_ws_cluster_needs_even_column_blocks():
     """cluster=2 pairs column blocks 2c, 2c + 1: BN=192 at N=5120 (27 blocks) and a persistent grid are refused
     before compiling."""
-    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     with pytest.raises(ValueError, match="even number of column blocks"):
-        fg.fp8_gemm_ws_kernel(5120, 5120, consumers=2, BN=192, nreg=(240, 24), cluster=2)
+        fw.fp8_gemm_ws_kernel(5120, 5120, consumers=2, BN=192, nreg=(240, 24), cluster=2)
     with pytest.raises(ValueError, match="without a persistent grid"):
-        fg.fp8_gemm_ws_kernel(5120, 5120, stages=4, persistent=132, cluster=2)
+        fw.fp8_gemm_ws_kernel(5120, 5120, stages=4, persistent=132, cluster=2)
 
 
 def test_fp8_gemm_leading_dims():
