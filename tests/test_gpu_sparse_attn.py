@@ -222,10 +222,15 @@ def test_sparse_attn_fwd_seesaw_cfg(shape, cfg):
 
 def test_sparse_attn_seesaw_register_pool():
     """setmaxnreg over the 384-thread CTA's pool (3 * 168 registers a thread) would hang (the first
-    version's (240, 32) did on the H200): refused before compiling."""
+    version's (240, 32) did on the H200): refused before compiling, by the seesaw and the ws forward."""
     from functional_dsv41.kernels.tilelang import sparse_attn_seesaw_tl as ss
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     with pytest.raises(ValueError, match="504"):
         ss.fwd_kernel_seesaw(64, 512, 640, 512 ** -0.5, nreg=(240, 32))
+    with pytest.raises(ValueError, match="504"):                   # the warp-specialised forward: the same rule
+        sa.fwd_kernel_ws(64, 512, 640, 512 ** -0.5, nreg=(240, 32))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        sa.fwd_kernel_ws(64, 512, 640, 512 ** -0.5, nreg=(228, 40))
 
 
 def test_sparse_attn_seesaw_grad(monkeypatch):

@@ -119,6 +119,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_nreg(kernel: str, nreg: tuple, consumers: int = 2, threads: int = 384) -> None:
+    """Refuse setmaxnreg budgets ``nreg`` = (each of ``consumers`` consumer warpgroups, the producer) over the CTA's
+    register pool (``register_pool_per_row``: a larger increase waits forever) or not multiples of 8 in [24, 256]."""
+    pool = register_pool_per_row(threads)
+    if consumers * nreg[0] + nreg[1] > pool or any(r % 8 or not 24 <= r <= 256 for r in nreg):
+        raise ValueError(f"{kernel}: nreg {nreg}: {consumers} * nreg[0] + nreg[1] must be <= {pool} (the {threads}-thread "
+                         "CTA's register pool; more makes setmaxnreg.inc wait forever), multiples of 8 in [24, 256]")
+
+
 def register_pool_per_row(threads: int) -> int:
     """setmaxnreg budget: a CTA of ``threads`` threads launches with floor(65536 / threads) registers a thread
     rounded down to 8 (168 at 384 threads, 128 at 512), and ``setmaxnreg`` only moves registers within that

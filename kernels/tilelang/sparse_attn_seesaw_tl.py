@@ -16,7 +16,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import LOG2E, compile_kernel, register_pool_per_row
+from ._common import LOG2E, check_nreg, compile_kernel
 from .sparse_attn_tl import BF16, F32, I32, _ws_epilogue, _ws_gather
 
 
@@ -75,9 +75,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         raise ValueError("fwd_kernel_seesaw: TP a multiple of 2*BI, stages >= 2, BI a multiple of 16")
     if (H + stages * BI) * D * 2 + 2 * H * BI * 2 + stages * BI * 4 > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_seesaw: shared memory over 227 KB")
-    if 2 * nreg[0] + nreg[1] > register_pool_per_row(384) or any(r % 8 or not 24 <= r <= 256 for r in nreg):
-        raise ValueError(f"fwd_kernel_seesaw: nreg {nreg}: 2 * nreg[0] + nreg[1] must be <= 504 (the 384-thread "
-                         "CTA's register pool; more makes setmaxnreg.inc wait forever), multiples of 8 in [24, 256]")
+    check_nreg("fwd_kernel_seesaw", nreg)
     NI = TP // BI
     NP = NI // 2
     NS = stages

@@ -46,7 +46,7 @@ import functools
 import torch
 import tilelang.language as T
 
-from ._common import LOG2E, Unsupported, compile_kernel, register_pool_per_row, plain as _plain
+from ._common import LOG2E, Unsupported, check_nreg, compile_kernel, plain as _plain
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
 
@@ -236,6 +236,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
         raise ValueError("fwd_kernel_ws: TP a multiple of 2*BI, stages >= 2, BI a multiple of 16")
     if (H + stages * BI) * D * 2 + 2 * H * BI * 2 > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_ws: shared memory over 227 KB")
+    check_nreg("fwd_kernel_ws", nreg)
     NI = TP // BI
     NP = NI // 2
     NS = stages
