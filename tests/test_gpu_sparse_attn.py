@@ -291,6 +291,77 @@ def test_sparse_attn_fwd_sp_option_errors():
         sp.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
 
 
+
+# fwd_kernel_sp_persistent: the same outputs as fwd_kernel_sp bit for bit, whatever the number of CTAs: more
+# queries than CTAs and not a multiple of them (several queries a CTA, the last ones unequal), more CTAs than
+# queries (idle CTAs), B > 1 (queries of both batches on one CTA), the shortest index row it takes (2 blocks:
+# every refill is the next query's)
+SP_PERSISTENT_CASES = [  # shape (B, M, H, D, N, T), ctas, kernel options
+    ((2, 64, 64, 512, 700, 640), 7, {}),
+    ((2, 64, 64, 512, 700, 640), 132, {"prefetch": False}),
+    ((2, 64, 64, 512, 700, 640), 5, {"gather": "cols"}),
+    ((3, 37, 64, 256, 333, 130), 200, {}),
+    ((3, 37, 64, 256, 333, 130), 4, {}),
+    ((2, 45, 64, 128, 300, 128), 9, {}),
+    ((2, 64, 64, 512, 700, 640), 11, {"o_store": "direct"}),
+]
+
+
+def _same_lse(lse, lse1):
+    """The same LSE formula, log2(l) + c m, up to rounding: ptxas may contract it into an FMA in one kernel and
+    not in the other (H200 run 36: 9.5e-7 at LSE ~ 10, the ulp of the larger term); the same values where not
+    finite (an all-hole row)."""
+    assert lse.shape == lse1.shape
+    fin = torch.isfinite(lse1)
+    assert torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], lse1[~fin])
+    assert (lse - lse1)[fin].abs().max() <= 2e-6, (lse - lse1)[fin].abs().max()
+
+
+@pytest.mark.parametrize("shape,ctas,kw", SP_PERSISTENT_CASES, ids=lambda v: str(v))
+def test_sparse_attn_fwd_sp_persistent(shape, ctas, kw):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    cfg = {k: v for k, v in sp.FWD_SP_CFG.items() if k != "pv_split"}
+    cfg.update(kw)
+    q, kv, sink, idx = _attn_inputs(*shape, seed=14)
+    idx[-1, 1, :100] = -1
+    idx[0, 3, 64:128] = -1
+    scale = shape[3] ** -0.5
+    ip = sa._pad_idx(idx, cfg["BI"])                   # 130 slots -> 192
+    o, lse = sp.fwd_kernel_sp_persistent(64, shape[3], ip.shape[-1], scale, ctas, **cfg)(q, kv, sink.float(), ip)
+    o1, lse1 = sp.fwd_kernel_sp(64, shape[3], ip.shape[-1], scale, **{**sp.FWD_SP_CFG, "gather": cfg["gather"]})(
+        q, kv, sink.float(), ip)
+    assert torch.equal(o, o1)
+    _same_lse(lse, lse1)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, cfg["BI"], f"sp persistent {ctas} {kw}")
+
+
+def test_sparse_attn_fwd_sp_persistent_release():
+    """The release prefill on one CTA per SM: bitwise fwd_kernel_sp's outputs."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    from functional_dsv41.kernels.tilelang._common import sm_count
+    q, kv, sink, _, idx = _release_inputs(2, idx_seed=1)
+    D = q.shape[-1]
+    cfg = {k: v for k, v in sp.FWD_SP_CFG.items() if k != "pv_split"}
+    o, lse = sp.fwd_kernel_sp_persistent(64, D, 640, D ** -0.5, sm_count(q.device), **cfg)(q, kv, sink, idx)
+    o1, lse1 = sp.fwd_kernel_sp(64, D, 640, D ** -0.5, **sp.FWD_SP_CFG)(q, kv, sink, idx)
+    assert torch.equal(o, o1)
+    _same_lse(lse, lse1)
+
+
+def test_sparse_attn_fwd_sp_persistent_option_errors():
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    with pytest.raises(ValueError, match="at least stages"):
+        sp.fwd_kernel_sp_persistent(64, 512, 64, 0.1, 132)           # one block: fewer than the two stages
+    with pytest.raises(ValueError, match="ctas must be >= 1"):
+        sp.fwd_kernel_sp_persistent(64, 512, 640, 0.1, 0)
+    with pytest.raises(ValueError, match="H must be 64"):
+        sp.fwd_kernel_sp_persistent(16, 512, 640, 0.1, 132)
+    with pytest.raises(ValueError, match="gather"):
+        sp.fwd_kernel_sp_persistent(64, 512, 640, 0.1, 132, gather="diag")
+
 def _grads(impl, q, kv, sink, idx, scale, do):
     q, kv, sink = (t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
     o = K.sparse_attn(q, kv, sink, idx, scale, impl=impl)
