@@ -134,8 +134,6 @@ def attention_fwd(results, args):
 WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
-# fwd_kernel_sp_persistent's rows (one CTA per SM; options beside FWD_SP_CFG's)
-SP_PERSISTENT_ROWS = (dict(), dict(o_store="direct"), dict(prefetch=False), dict(gather="cols"))
 
 
 def attention_diag(results, args):
@@ -169,19 +167,6 @@ def attention_diag(results, args):
             results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f, note))
         except Exception as e:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    from functional_dsv41.kernels.tilelang._common import sm_count
-    ctas = sm_count(q.device)
-    pcfg = {k: v for k, v in sp.FWD_SP_CFG.items() if k != "pv_split"}
-    for kw in SP_PERSISTENT_ROWS:
-        name = f"  sp persistent ({ctas} CTAs) {json.dumps(kw, separators=(',', ':'))}"
-        try:
-            kf = sp.fwd_kernel_sp_persistent(H, D, ip64.shape[-1], scale, ctas, **{**pcfg, **kw})
-            o, lse = kf(q, kv, sink, ip64)
-            note = (f"vs default: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
-                    f"lse {(lse - o_ref[1]).abs().max():.2e}")
-            results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f, note))
-        except Exception as e:
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(2)
     B, M, N = q.shape[0], q.shape[1], kv.shape[1]
     for mult in SLOT_MULTS:
@@ -189,11 +174,10 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp", "sp persistent")[:3 if sp.sp_persistent_fits(H, D, T_) else 2]:
+        for kind in ("ws", "sp"):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
-                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG) if kind == "sp"
-                      else sp.fwd_kernel_sp_persistent(H, D, T_, scale, ctas, **pcfg))
+                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:
                 print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

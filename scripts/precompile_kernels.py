@@ -249,14 +249,9 @@ def attn_bench():
         sa.fwd_kernel_ws(H, D, 640, scale, **ws, diag=diag)
     for kw in bench.SP_DIAG_ROWS:
         sp.fwd_kernel_sp(H, D, 640, scale, **{**sp.FWD_SP_CFG, **kw})
-    pcfg = {k: v for k, v in sp.FWD_SP_CFG.items() if k != "pv_split"}
-    for kw in bench.SP_PERSISTENT_ROWS:                 # the H200's 132 SMs (the bench asks for the SM count)
-        sp.fwd_kernel_sp_persistent(H, D, 640, scale, 132, **{**pcfg, **kw})
     for T_ in (640 * m for m in bench.SLOT_MULTS if m > 1):
         sa.fwd_kernel_ws(H, D, T_, scale, **ws)
         sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
-        if sp.sp_persistent_fits(H, D, T_):
-            sp.fwd_kernel_sp_persistent(H, D, T_, scale, 132, **pcfg)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 
 

@@ -16,6 +16,9 @@ hole mask during the QK, the row sum after P's hand-over: 453-459) or an L2 pref
 a third KV stage, so Q out of shared memory; with two PV warpgroups of 160 registers the softmax warpgroup's
 184 cannot also hold Q (128), so that needs another split of the work: e.g. two CTAs of a cluster each taking
 half of D (half of Q and of each KV row, partial scores exchanged through distributed shared memory).
+Not the per-query start and end either: a persistent version (one CTA per SM taking queries in turn, the next
+query's index row, Q and first blocks loaded during the current one; commit ba4d2c0) timed the same on 132 CTAs
+as on one query a CTA, 3-5% slower than this kernel (runs 36-39).
 """
 import functools
 
@@ -28,32 +31,6 @@ from .sparse_attn_tl import BF16, F32, I32, _ws_gather
 def _sp_smem(H: int, D: int, TP: int, BI: int, NS: int) -> int:
     """fwd_kernel_sp's shared memory in bytes: Q, NS KV stages, the double-buffered P, the index row."""
     return (H + NS * BI) * D * 2 + 2 * H * BI * 2 + TP * 4
-
-
-def _sp_gather(BI: int, D: int, gather: str):
-    """The sp forwards' KV refill: ``gather_half(t, w, s, j, kv_s, KV, src_of, bi)`` copies PV warpgroup w's
-    half of block j (its slots ``src_of(j BI + row)``) into stage s (thread t of 128, 8 threads a row): the
-    columns [w D/2, (w+1) D/2) of all BI rows ("cols") or all columns of rows w BI/2 + [0, BI/2) ("rows")."""
-    DH, CPR, HB = D // 2, D // 64, BI // 2
-
-    @T.macro
-    def gather_half(t, w, s, j, kv_s, KV, src_of, bi):
-        if gather == "cols":
-            for r in T.unroll(BI // 16):
-                row = r * 16 + t // 8
-                src = src_of(j * BI + row)      # a hole (-1): zero-filled by the bounds check, not read
-                for u in T.unroll(CPR // 2):
-                    col = w * DH + u * 64 + (t % 8) * 8
-                    T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
-                                   T.access_ptr(KV[bi, src, col], "r", 8), 8)
-        else:
-            for r in T.unroll(HB // 16):
-                row = w * HB + r * 16 + t // 8
-                src = src_of(j * BI + row)      # a hole (-1): zero-filled by the bounds check, not read
-                for u in T.unroll(CPR):
-                    T.ptx_cp_async(T.access_ptr(kv_s[s, row, u * 64 + (t % 8) * 8], "w", 8),
-                                   T.access_ptr(KV[bi, src, u * 64 + (t % 8) * 8], "r", 8), 8)
-    return gather_half
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,8 +82,28 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     PN = DH // pv_split
     c = float(scale) * LOG2E
     CPR = D // 64                       # 16-byte chunks a thread copies per row (8 threads a row)
+    HB = BI // 2                        # rows of a block each PV warpgroup gathers
     load_q = _ws_gather(H, BI, CPR)[0]
-    gather_half = _sp_gather(BI, D, gather)
+
+    @T.macro
+    def gather_half(t, w, j, kv_s, KV, src_of, bi):
+        """PV warpgroup w's half of block j into stage j % NS (thread t of 128, 8 threads a row): the columns
+        [w D/2, (w+1) D/2) of all BI rows ("cols") or all columns of rows w HB + [0, HB) ("rows")."""
+        if gather == "cols":
+            for r in T.unroll(BI // 16):
+                row = r * 16 + t // 8
+                src = src_of(j * BI + row)      # a hole (-1): zero-filled by the bounds check, not read
+                for u in T.unroll(CPR // 2):
+                    col = w * DH + u * 64 + (t % 8) * 8
+                    T.ptx_cp_async(T.access_ptr(kv_s[j % NS, row, col], "w", 8),
+                                   T.access_ptr(KV[bi, src, col], "r", 8), 8)
+        else:
+            for r in T.unroll(HB // 16):
+                row = w * HB + r * 16 + t // 8
+                src = src_of(j * BI + row)      # a hole (-1): zero-filled by the bounds check, not read
+                for u in T.unroll(CPR):
+                    T.ptx_cp_async(T.access_ptr(kv_s[j % NS, row, u * 64 + (t % 8) * 8], "w", 8),
+                                   T.access_ptr(KV[bi, src, u * 64 + (t % 8) * 8], "r", 8), 8)
 
     @T.macro
     def softmax_wg(t, acc_s, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty, bar_q,
@@ -167,7 +164,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
               KV, Idx, O, bi, mi):
         """acc0 (, acc1 when pv_split == 2): this warpgroup's [H, PN] fp32 accumulators, columns w DH + k PN + [0, PN)."""
         for j in T.unroll(NS):                  # the first NS blocks, indices from global memory
-            gather_half(t, w, j, j, kv_s, KV, lambda i: Idx[bi, mi, i], bi)
+            gather_half(t, w, j, kv_s, KV, lambda i: Idx[bi, mi, i], bi)
             T.cp_async_barrier_noinc(full[j])
         T.fill(acc0, 0)
         if pv_split == 2:
@@ -189,7 +186,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
                 if diag == "compute":
                     T.barrier_arrive(full[j % NS])
                 else:
-                    gather_half(t, w, j % NS, j + NS, kv_s, KV, lambda i: idx_s[i], bi)
+                    gather_half(t, w, j + NS, kv_s, KV, lambda i: idx_s[i], bi)
                     T.cp_async_barrier_noinc(full[j % NS])
         T.barrier_wait(bar_fin, 0)
         for h in T.Parallel(H):
@@ -250,231 +247,6 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     return compile_kernel(sparse_attn_fwd_sp, out_idx=[4, 5])
 
 
-
-# cp.async.bulk.prefetch.L2 (sm_90): ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from global `p`
-_PREFETCH_L2 = r"""
-__device__ __forceinline__ void dsv41_prefetch_l2(const void* p, unsigned int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def fwd_kernel_sp_persistent(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64, stages: int = 2,
-                             gather: str = "rows", prefetch: bool = True, o_store: str = "stage"):
-    """``fwd_kernel_sp``'s warpgroups and math on a persistent grid of ``ctas`` CTAs (the SM count), each
-    taking queries q = cta, cta + ctas, ... in turn, so that one query's start and end overlap its
-    neighbours' blocks instead of idling the SM (the one-query-a-CTA kernel spends 12% of its time there,
-    run 33). Same outputs as fwd_kernel_sp bit for bit (same per-query recurrence and summation order).
-
-    What changes per role (g = the CTA's running block number over its queries, so the KV ring, the P double
-    buffer and their barriers simply run on across queries):
-    - the softmax warpgroup copies query i + 1's index row (a double buffer, barriers ``bar_idx``) once it
-      may hand over query i's second block (that release of its P buffer by the PV warpgroups comes after
-      their last refill that reads query i - 1's row, in the buffer it overwrites), and its Q into q_s as soon as query i's last QK is done (``prefetch``: one thread asks
-      the L2 for that Q at query i's start, so the copy comes from the L2); its row sums go to the PV
-      warpgroups through a double buffer (``l_s``, ``bar_fin``);
-    - the PV warpgroups refill the ring with the next query's first blocks while they finish the current
-      one (their index rows from the double buffer); ``o_store`` "stage": each stores its D half of O
-      through the same D half of the query's last KV stage (only it reads that half; the stage's refill,
-      the next query's second block, waits for it), "direct": from the accumulators to global memory
-      (4-byte stores, half a sector each; q_s is Q's again).
-    """
-    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
-    if H != 64 or D % 128 or D > 512:
-        raise ValueError("fwd_kernel_sp_persistent: H must be 64, D a multiple of 128 up to 512")
-    NS, G = stages, int(ctas)
-    if TP % BI or BI % 32 or NS < 2 or TP < NS * BI:
-        raise ValueError("fwd_kernel_sp_persistent: TP a multiple of BI (at least stages * BI), BI a multiple of 32, "
-                         "stages >= 2")
-    if G < 1:
-        raise ValueError(f"fwd_kernel_sp_persistent: ctas must be >= 1, got {ctas}")
-    if _sp_smem(H, D, 2 * TP, BI, NS) > 227 * 1024 - 2048:
-        raise ValueError("fwd_kernel_sp_persistent: shared memory over 227 KB (Q, the KV stages, P and two index "
-                         f"rows of {TP} slots)")
-    if gather not in ("cols", "rows"):
-        raise ValueError(f"fwd_kernel_sp_persistent: gather {gather!r}")
-    if o_store not in ("stage", "direct"):
-        raise ValueError(f"fwd_kernel_sp_persistent: o_store {o_store!r}")
-    DH, NI, CPR = D // 2, TP // BI, D // 64
-    c = float(scale) * LOG2E
-    load_q = _ws_gather(H, BI, CPR)[0]
-    gather_half = _sp_gather(BI, D, gather)
-
-    @T.macro
-    def load_idx(t, k, idx_s, bar_idx, Idx, bi, mi):
-        """Query (bi, mi)'s index row into buffer k % 2 (4 slots a copy), arriving on bar_idx[k % 2]."""
-        for r in T.serial((TP // 4 + 127) // 128):
-            if r * 128 + t < TP // 4:
-                T.ptx_cp_async(T.access_ptr(idx_s[k % 2, (r * 128 + t) * 4], "w", 4),
-                               T.access_ptr(Idx[bi, mi, (r * 128 + t) * 4], "r", 4), 4)
-        T.cp_async_barrier_noinc(bar_idx[k % 2])
-
-    @T.macro
-    def softmax_wg(t, cid, nq, qb, acc_s, m, mp, l, ls, a, q_s, idx_s, kv_s, p_s, al_s, l_s, full, p_full, p_empty,
-                   bar_q, bar_idx, bar_fin, Q, Idx, Sink, Lse, M):
-        """qb: int32 registers: this query's (batch, row) and the next one's (one division each a query)."""
-        if nq > 0:
-            qb[2] = cid // M
-            qb[3] = cid % M
-            load_idx(t, 0, idx_s, bar_idx, Idx, qb[2], qb[3])
-            load_q(t, q_s, Q, qb[2], qb[3], bar_q)
-        for it in T.serial(nq):
-            qb[0] = qb[2]
-            qb[1] = qb[3]
-            qb[2] = (cid + it * G + G) // M
-            qb[3] = (cid + it * G + G) % M
-            if it + 1 < nq:
-                if prefetch:
-                    if t == 0:
-                        T.call_extern("handle", "dsv41_prefetch_l2",
-                                      T.access_ptr(Q[qb[2], qb[3], 0, 0], "r", H * D), H * D * 2)
-            T.fill(l, 0)
-            T.fill(m, -1e30)
-            T.barrier_wait(bar_idx[it % 2], (it // 2) % 2)
-            T.barrier_wait(bar_q, it % 2)
-            for j in T.serial(NI):
-                g = it * NI + j
-                for h, tt in T.Parallel(H, BI):
-                    acc_s[h, tt] = T.if_then_else(idx_s[it % 2, j * BI + tt] >= 0, 0, -T.infinity(F32))
-                T.barrier_wait(full[g % NS], (g // NS) % 2)
-                T.wgmma_gemm(q_s, kv_s[g % NS, :, :], acc_s, transpose_B=True)
-                T.wait_wgmma(0)
-                if j == NI - 1:                 # q_s is free: the next query's Q (from the L2 when prefetched)
-                    if it + 1 < nq:
-                        load_q(t, q_s, Q, qb[2], qb[3], bar_q)
-                T.copy(m, mp)
-                T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(H):
-                    a[h] = T.exp2((mp[h] - m[h]) * c)
-                for h, tt in T.Parallel(H, BI):
-                    acc_s[h, tt] = T.exp2(acc_s[h, tt] * c - m[h] * c)
-                T.reduce_sum(acc_s, ls, dim=1)
-                for h in T.Parallel(H):
-                    l[h] = l[h] * a[h] + ls[h]
-                T.barrier_wait(p_empty[g % 2], ((g // 2) % 2) ^ 1)
-                if j == 1:                      # the PV warpgroups are past block g - 2: see the docstring
-                    if it + 1 < nq:
-                        load_idx(t, it + 1, idx_s, bar_idx, Idx, qb[2], qb[3])
-                T.copy(acc_s, p_s[g % 2, :, :])
-                T.copy(a, al_s[g % 2, :])
-                T.fence_proxy_async()           # P: generic stores, read next by WGMMA (async proxy)
-                T.barrier_arrive(p_full[g % 2])
-            for h in T.Parallel(H):
-                l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
-            T.copy(l, l_s[it % 2, :])
-            T.barrier_arrive(bar_fin[it % 2])
-            for h in T.Parallel(H):
-                ls[h] = T.log2(l[h]) + m[h] * c
-            T.copy(ls, Lse[qb[0], qb[1], :])
-
-    @T.macro
-    def pv_wg(w, t, cid, nq, qb, acc, a, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty, bar_idx, bar_fin,
-              o_free, KV, Idx, O, M):
-        """qb: int32 registers: this query's (batch, row), and the batch of the query a refill is for."""
-        if nq > 0:
-            qb[0] = cid // M
-            qb[1] = cid % M
-            for j in T.unroll(NS):              # query cid's first NS blocks, indices from global memory
-                gather_half(t, w, j, j, kv_s, KV, lambda i: Idx[qb[0], qb[1], i], qb[0])
-                T.cp_async_barrier_noinc(full[j])
-        T.fill(acc, 0)
-        for it in T.serial(nq):
-            qb[0] = (cid + it * G) // M
-            qb[1] = (cid + it * G) % M
-            for j in T.serial(NI):
-                g = it * NI + j
-                T.barrier_wait(p_full[g % 2], (g // 2) % 2)
-                for h in T.Parallel(H):
-                    a[h] = al_s[g % 2, h]
-                for h, d in T.Parallel(H, DH):
-                    acc[h, d] *= a[h]
-                T.wgmma_gemm(p_s[g % 2, :, :], kv_s[g % NS, :, w * DH:(w + 1) * DH], acc)
-                T.wait_wgmma(0)
-                T.barrier_arrive(p_empty[g % 2])
-                if o_store == "stage":
-                    if j == NI - 1:             # O through this stage's D half (this warpgroup's alone), then
-                        T.barrier_wait(bar_fin[it % 2], (it // 2) % 2)      # the refill below
-                        for h in T.Parallel(H):
-                            a[h] = l_s[it % 2, h]
-                        for h, d in T.Parallel(H, DH):
-                            acc[h, d] /= a[h]
-                        T.copy(acc, kv_s[g % NS, :, w * DH:(w + 1) * DH])
-                        T.copy(kv_s[g % NS, :, w * DH:(w + 1) * DH], O[qb[0], qb[1], :, w * DH:(w + 1) * DH])
-                        T.fill(acc, 0)
-                        T.barrier_arrive(o_free)    # the copy (one thread's TMA store) has read the stage,
-                        T.barrier_wait(o_free, it % 2)  # so both may refill it (gather "cols" has no empty wait)
-                if g + NS < nq * NI:            # refill the stage with block g + NS (maybe the next query's)
-                    if gather == "rows":        # the rows the other PV warpgroup may still be reading
-                        T.barrier_arrive(empty[g % NS])
-                        T.barrier_wait(empty[g % NS], (g // NS) % 2)
-                    kn = (g + NS) // NI
-                    qb[2] = (cid + kn * G) // M
-                    T.barrier_wait(bar_idx[kn % 2], (kn // 2) % 2)
-                    gather_half(t, w, g % NS, (g + NS) % NI, kv_s, KV, lambda i: idx_s[kn % 2, i], qb[2])
-                    T.cp_async_barrier_noinc(full[g % NS])
-            if o_store == "direct":
-                T.barrier_wait(bar_fin[it % 2], (it // 2) % 2)
-                for h in T.Parallel(H):
-                    a[h] = l_s[it % 2, h]
-                for h, d in T.Parallel(H, DH):
-                    O[qb[0], qb[1], h, w * DH + d] = T.cast(acc[h, d] / a[h], BF16)
-                T.fill(acc, 0)
-
-    @T.prim_func
-    def sparse_attn_fwd_sp_persistent(
-        Q: T.Tensor([B, M, H, D], BF16),
-        KV: T.Tensor([B, N, D], BF16),
-        Sink: T.Tensor([H], F32),
-        Idx: T.Tensor([B, M, TP], I32),
-        O: T.Tensor([B, M, H, D], BF16),
-        Lse: T.Tensor([B, M, H], F32),
-    ):
-        with T.Kernel(G, threads=384) as cid:
-            if prefetch:
-                T.import_source(_PREFETCH_L2)
-            q_s = T.alloc_shared([H, D], BF16)
-            kv_s = T.alloc_shared([NS, BI, D], BF16)
-            p_s = T.alloc_shared([2, H, BI], BF16)
-            idx_s = T.alloc_shared([2, TP], I32)
-            al_s = T.alloc_shared([2, H], F32)
-            l_s = T.alloc_shared([2, H], F32)
-
-            acc0 = T.alloc_fragment([H, DH], F32)
-            a0 = T.alloc_fragment([H], F32)
-            acc1 = T.alloc_fragment([H, DH], F32)
-            a1 = T.alloc_fragment([H], F32)
-            acc_s = T.alloc_fragment([H, BI], F32)
-            m = T.alloc_fragment([H], F32)
-            mp = T.alloc_fragment([H], F32)
-            l = T.alloc_fragment([H], F32)
-            ls = T.alloc_fragment([H], F32)
-            a2 = T.alloc_fragment([H], F32)
-            qb = T.alloc_local([4], I32)
-
-            bar_q = T.alloc_barrier(arrive_count=128)
-            bar_idx = T.alloc_barrier(arrive_count=[128, 128])
-            full = T.alloc_barrier(arrive_count=[256] * NS)
-            empty = T.alloc_barrier(arrive_count=[256] * NS)
-            p_full = T.alloc_barrier(arrive_count=[128, 128])
-            p_empty = T.alloc_barrier(arrive_count=[256, 256])
-            bar_fin = T.alloc_barrier(arrive_count=[128, 128])
-            o_free = T.alloc_barrier(arrive_count=256)
-
-            nq = (B * M - cid + G - 1) // G     # this CTA's queries: cid, cid + G, ...
-            tx = T.get_thread_binding()
-            if tx < 128:
-                pv_wg(0, tx, cid, nq, qb, acc0, a0, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty,
-                      bar_idx, bar_fin, o_free, KV, Idx, O, M)
-            elif tx < 256:
-                pv_wg(1, tx - 128, cid, nq, qb, acc1, a1, idx_s, kv_s, p_s, al_s, l_s, full, empty, p_full, p_empty,
-                      bar_idx, bar_fin, o_free, KV, Idx, O, M)
-            else:
-                softmax_wg(tx - 256, cid, nq, qb, acc_s, m, mp, l, ls, a2, q_s, idx_s, kv_s, p_s, al_s, l_s, full,
-                           p_full, p_empty, bar_q, bar_idx, bar_fin, Q, Idx, Sink, Lse, M)
-
-    return compile_kernel(sparse_attn_fwd_sp_persistent, out_idx=[4, 5])
-
 # impl="sp": fwd_kernel_sp (softmax and PV on different warpgroups) with this configuration where sp_fits.
 # Run 31 (release shape, holes zero-filled): gather "rows" 479.6 TFLOP/s, "cols" 468.0; BI = 32 with 3-4 stages
 # and pv_split 2 were slower or equal in run 30/31 (326-333 and 399 vs 396, before the hole fix).
@@ -487,10 +259,3 @@ def sp_fits(H: int, D: int, TP: int) -> bool:
     BI, NS = FWD_SP_CFG["BI"], FWD_SP_CFG["stages"]
     return (H == 64 and D % 128 == 0 and D <= 512 and TP >= NS * BI
             and _sp_smem(H, D, TP, BI, NS) <= 227 * 1024 - 2048)
-
-
-def sp_persistent_fits(H: int, D: int, TP: int, BI: int = 64, stages: int = 2) -> bool:
-    """fwd_kernel_sp_persistent's shapes: sp's, with two index rows in shared memory (TP up to 2176 at the
-    release width)."""
-    return (H == 64 and D % 128 == 0 and D <= 512 and TP % BI == 0 and TP >= stages * BI
-            and _sp_smem(H, D, 2 * TP, BI, stages) <= 227 * 1024 - 2048)
