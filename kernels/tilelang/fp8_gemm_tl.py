@@ -25,7 +25,12 @@ went from 546 to 1027, and the promoted kernels gained 5-8%: the ping-pong with 
 604 / 627 / 567, ws with two temporaries 643 / 571 / 571 (bitwise-equal outputs). What is left is the
 32-wide promotion itself: per k = 32 slice an m64nN WGMMA takes N/2 tensor cycles per SM and its promotion
 N/2 FFMA issue cycles (128 lanes per SM), so the two pipes must overlap perfectly to approach the plain GEMM;
-the best promoted kernel reaches 63% of it. Small M (decode, short prefill): ``default_config`` picks a
+the best promoted kernel reaches 63% of it. Run 41 (full bench: default 614.7, ws two temporaries 630.3) isolated
+it: ws with its per-slice wait but no promotion runs 1034, the plain GEMM 1042, so the synchronisation and operand
+traffic cost nothing and the promotion's instructions (the FFMAs, the scale products, their shared-memory loads)
+are the whole gap. Next step: take everything but the FFMAs off the consumers (the producer warpgroup, idle
+between its TMA issues, writing the per-(row, 32-column) scale products of each slice into shared memory), so the
+consumers' issue slots go to FFMAs and WGMMAs only. Small M (decode, short prefill): ``default_config`` picks a
 64-row loop whose grid fits one wave (run 27: 23-32 us against the ping-pong's 52-58 up to M = 128).
 """
 import functools
