@@ -17,8 +17,8 @@ import json
 import torch
 
 from ._bench_common import bench, row
-from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_small, gemm_wide,
-                         gemm_wrapper, gemms)
+from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
+                         gemm_wide, gemm_wrapper, gemms)
 
 
 def ceilings(results):
@@ -479,6 +479,7 @@ SECTIONS = {
     "attnbwd": attention_bwd,
     "gemm": gemms,
     "gemmdiag": gemm_diag,
+    "gemmprobe": gemm_probe,
     "gemmwrap": gemm_wrapper,
     "gemmsmall": gemm_small,
     "gemmwide": gemm_wide,

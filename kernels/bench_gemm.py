@@ -38,9 +38,9 @@ def gemms(results, args):
         for cfg in [*args.gemm_cfgs, *FP8_WS_CFGS]:
             name = f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
             try:                                   # a failing variant prints its error, the sweep goes on
-                kc = dict(cfg)
+                kc = dict(cfg) or fg.default_config(M, N, K)  # {}: what fp8_gemm runs with no options
                 build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "loop": fg.fp8_gemm_kernel,
-                         "ws": fw.fp8_gemm_ws_kernel}[kc.pop("kernel", "pingpong")]
+                         "ws": fw.fp8_gemm_ws_kernel, "halves": fw.fp8_gemm_halves_kernel}[kc.pop("kernel", "pingpong")]
                 k = build(N, K, **kc)
                 results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by))
             except Exception as e:
@@ -265,7 +265,9 @@ def _bf16_path_rows(results, what, e2e, deq_a, deq_b, ref, M, N, K):
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages
 # (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
 # 508). fp4 default: the loop at BN=192 (294 / 279).
-GEMM_CFGS = [dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3), dict(kernel="loop"),
+GEMM_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="issue"), dict(kernel="halves", stages=2),
+             dict(kernel="halves", stage_scales=False),
+             dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3), dict(kernel="loop"),
              dict(kernel="loop", BN=128), dict(kernel="loop", stages=3), dict(kernel="loop", BN=128, BM=192, threads=384)]
 FP4_GEMM_CFGS = [dict(BN=128), dict(BN=128, async_promote=True), dict(BN=128, BM=192, threads=384),
                  dict(stages=4)]
@@ -353,3 +355,76 @@ def fp4_grouped(results, args):
                     f4.fp4_gemm(a[start:start + n], a_s[start:start + n], b[g], b_s[g])
                 start += n
         results.append(row("per-expert loop (384 fp4_gemm calls)", bench(loop), fl))
+
+
+def _clock_under_load(fn, seconds=1.0):
+    """SM clock (MHz) and board power (W) that nvidia-smi reports while ``fn`` runs back to back for about
+    ``seconds``: the kernels are queued first, the query runs while the GPU works through them. Returns "" where
+    nvidia-smi is missing."""
+    import shutil
+    import subprocess
+    import time
+    if not shutil.which("nvidia-smi"):
+        return ""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    n = max(1, int(seconds * 1e3 / max(start.elapsed_time(end), 1e-3)))
+    for _ in range(n):
+        fn()
+    time.sleep(seconds / 2)                          # past the ramp: mid-run
+    q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    torch.cuda.synchronize()
+    if not q:
+        return ""
+    mhz, watts = (v.strip() for v in q[0].split(",")[:2])
+    return f"SM {mhz} MHz, {watts} W under load"
+
+
+# gemmprobe: the promoted kernels beside their structures without the promotion, each with the SM clock and board
+# power under sustained load (is the promoted GEMM clock- or power-throttled, and which structure hides the
+# promotion best?). diag rows ignore the scales (timing only).
+GEMM_PROBE_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="issue"),
+                   dict(kernel="ws"), dict(kernel="ws", diag="no_promote"), dict(kernel="ws", diag="no_wait"),
+                   dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24), stages=2),
+                   dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24), stages=3),
+                   dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24), stages=2, diag="no_promote"),
+                   dict(kernel="ws", consumers=2, BN=192, nreg=(240, 24), stages=2, diag="no_wait"),
+                   dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
+                   dict(kernel="halves"), dict(kernel="halves", stages=2), dict(kernel="halves", stages=4, BN=128),
+                   dict(kernel="halves", stage_scales=False), dict(kernel="halves", stages=2, stage_scales=False),
+                   dict(kernel="halves", stages=4, BN=128, stage_scales=False)]
+
+
+def gemm_probe(results, args):
+    """Every GEMM_PROBE_CFGS entry at 4096x5120x5120: time, TFLOP/s, and the SM clock / board power under load;
+    then torch._scaled_mm (rowwise) the same way, the peer's clock for comparison."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
+    M, N, K = 4096, 5120, 5120
+    print(f"-- fp8 GEMM probe M={M} N={N} K={K} (diag rows ignore the scales: timing only)", flush=True)
+    a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+    b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+    sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+    fl = 2 * M * N * K
+    for cfg in GEMM_PROBE_CFGS:
+        name = f"probe {json.dumps(cfg, separators=(',', ':'))}"
+        try:
+            kc = dict(cfg)
+            build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "ws": fw.fp8_gemm_ws_kernel,
+                     "halves": fw.fp8_gemm_halves_kernel}[kc.pop("kernel")]
+            k = build(N, K, **kc)
+            fn = lambda: k(a, sa, b, sb)                # noqa: E731
+            ms = bench(fn)
+            results.append(row(name, ms, fl, note=_clock_under_load(fn)))
+        except Exception as e:
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    bt = b.t()
+    sa_r, sb_r = torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
+    fn = lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)  # noqa: E731
+    results.append(row("probe peer torch._scaled_mm rowwise", bench(fn), fl, note=_clock_under_load(fn)))

@@ -273,7 +273,7 @@ def test_auto_picks_tilelang_fp4_gemm():
 
 def test_default_config_by_rows():
     """With no options the wrappers pick by shape: fp8 the first small-tile loop whose grid fits one wave of the
-    SMs, else the ping-pong (the loop where K % 128); fp4 the bf16 path from BF16_MIN_M rows, the block-scaled
+    SMs, else the halves kernel (the loop where K % 128); fp4 the bf16 path from BF16_MIN_M rows, the block-scaled
     loop below. Each pick is checked by value (bitwise the explicitly named kernel's output) and against the
     torch reference."""
     _need_tilelang()
@@ -284,7 +284,7 @@ def test_default_config_by_rows():
     assert fg.default_config(128, 5120, 5120) == bn128          # 160 at BN 64, 80 at BN 128
     assert fg.default_config(128, 2304, 5120) == bn64           # 72
     assert fg.default_config(256, 2304, 5120) == bn128          # 144, 72
-    assert fg.default_config(256, 5120, 5120) == dict(kernel="pingpong")
+    assert fg.default_config(256, 5120, 5120) == dict(kernel="halves")
     assert fg.default_config(512, 2304, 96) == dict(kernel="loop")
     assert f4.default_config(f4.BF16_MIN_M) == dict(kernel="bf16")
     assert f4.default_config(f4.BF16_MIN_M - 1) == dict(kernel="loop")
@@ -365,3 +365,41 @@ def test_fp4_gemm_grouped_edges():
     b2, b2_s = _fp4_gemm_operands(4, 128, 512)[2:]
     with pytest.raises(ValueError, match="the weights differ in shape"):
         K.fp4_gemm_grouped(a, a_s, [b, b2], [b_s, b2_s], [1, 3], impl="tilelang")
+
+
+# Schedules of the same arithmetic as the default ping-pong: each 32-deep slice summed by the tensor core, then one
+# FFMA per element with the exact scale product, slices in order. "halves" issues each slice as two WGMMAs over
+# column halves; handoff="issue" only changes when the peer may issue. Their outputs must equal the ping-pong's
+# bit for bit, at the release shapes and at ragged ones (partial row and column blocks, masked by TMA).
+FP8_SAME_AS_PINGPONG = [dict(kernel="pingpong", handoff="issue"), dict(kernel="halves"),
+                        dict(kernel="halves", stages=2), dict(kernel="halves", stages=4, BN=128),
+                        dict(kernel="halves", stage_scales=False), dict(kernel="halves", stages=2, stage_scales=False),
+                        dict(kernel="halves", stages=4, BN=128, stage_scales=False), dict()]
+
+
+@pytest.mark.parametrize("cfg", FP8_SAME_AS_PINGPONG, ids=_cfg_id)
+@pytest.mark.parametrize("shape", [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120), (4096, 5120, 2304)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_gemm_schedules_bitwise_equal_pingpong(shape, cfg):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape, seed=4)
+    c = fg.fp8_gemm(a, a_s, b, b_s, **cfg)
+    want = fg.fp8_gemm(a, a_s, b, b_s, kernel="pingpong")
+    assert torch.equal(c, want), f"{cfg} differs from the ping-pong at {int((c != want).sum())} of {c.numel()}"
+    _check_close(c, K.fp8_gemm(a, a_s, b, b_s, impl="torch"), f"fp8 {shape} {cfg}")
+
+
+def test_fp8_gemm_schedule_options_refused():
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
+    with pytest.raises(ValueError, match="handoff must be"):
+        fg.fp8_gemm_pingpong_kernel(5120, 5120, handoff="early")
+    with pytest.raises(ValueError, match="BN=160 of 64"):
+        fw.fp8_gemm_halves_kernel(5120, 5120, BN=160)
+    with pytest.raises(ValueError, match="register pool"):
+        fw.fp8_gemm_halves_kernel(5120, 5120, nreg=(248, 24))
+    a, a_s, b, b_s = _fp8_operands(128, 256, 512)
+    with pytest.raises(ValueError, match="kernel must be"):
+        fg.fp8_gemm(a, a_s, b, b_s, kernel="halfs")

@@ -7,31 +7,38 @@ power-of-two scales (the release kernel's order: sum each K block, scale, accumu
 is ``_gemm.promote_loop``, shared with the fp4 GEMM (FullRow warpgroups, scale product precomputed per
 (row, 32-column block): one FFMA per accumulator element per slice).
 
-Three kernels over that math. ``fp8_gemm_pingpong_kernel`` (the default where K is a multiple of 128): a
-producer warpgroup TMA-loads A, B and both scale tiles into a ring of mbarrier stages, and two consumer
-warpgroups, each owning 64 rows of the 128-row tile, take strict turns on the tensor core (one issues its
-slice's WGMMA after the other's completed), so one consumer's promotion overlaps the other's WGMMA.
-``fp8_gemm_kernel`` is the same loop scheduled by TileLang's pipeliner (``_gemm.promote_loop``, shared with
-the fp4 GEMM): both consumers restart every K tile on the same barrier and promote in lock step.
-``fp8_gemm_ws_tl.fp8_gemm_ws_kernel`` (``kernel="ws"``): the producer/consumer ring of the ping-pong without
-the turn barriers, with 2 or 3 consumers, a persistent grid and 2-CTA multicast clusters (in that file).
+Four kernels over that math. ``fp8_gemm_ws_tl.fp8_gemm_halves_kernel`` (``kernel="halves"``, the default where K
+is a multiple of 128 and M fills the GPU): the producer/consumer ring of the ws kernel with two consumers of 64
+rows each, every slice's WGMMA split into two column halves and software-pipelined so that a consumer always has
+one WGMMA of its own in flight while it promotes the other half, and the scale products of a whole stage loaded
+at once. ``fp8_gemm_pingpong_kernel``: a producer warpgroup TMA-loads A, B and both scale tiles into a ring of
+mbarrier stages, and two consumer warpgroups, each owning 64 rows of the 128-row tile, take strict turns on the
+tensor core (one issues its slice's WGMMA after the other's completed, or with ``handoff="issue"`` after the other
+issued), so one consumer's promotion overlaps the other's WGMMA. ``fp8_gemm_kernel`` is the same loop scheduled by
+TileLang's pipeliner (``_gemm.promote_loop``, shared with the fp4 GEMM): both consumers restart every K tile on the
+same barrier and promote in lock step. ``fp8_gemm_ws_tl.fp8_gemm_ws_kernel`` (``kernel="ws"``): the ring without
+turn barriers, with 2 or 3 consumers, a persistent grid and 2-CTA multicast clusters (in that file).
 
 Measured (H200, TFLOP/s at 4096x{5120x5120, 2304x5120, 5120x2304}): the ping-pong at BN=192, 2 stages 570 /
 579 / 517 (run 14); the pipelined loop 548 / 544 / 513; ws, 3 consumers 536 / 512 / 506. Run 26 found the
 limit of all of them in the shared layout: TileLang lays a k = 32 WGMMA operand out as [rows, 32] panels with a
 32-byte swizzle, four TMA boxes of 32-byte rows per stage tile; with the whole 128-byte row swizzled
 (``swizzle128``, now the default where BK = 128) a PLAIN fp8 GEMM in the ws structure (``diag="no_wait"``)
-went from 546 to 1027, and the promoted kernels gained 5-8%: the ping-pong with ``early_sp`` (the default)
-604 / 627 / 567, ws with two temporaries 643 / 571 / 571 (bitwise-equal outputs). What is left is the
-32-wide promotion itself: per k = 32 slice an m64nN WGMMA takes N/2 tensor cycles per SM and its promotion
-N/2 FFMA issue cycles (128 lanes per SM), so the two pipes must overlap perfectly to approach the plain GEMM;
-the best promoted kernel reaches 63% of it. Run 41 (full bench: default 614.7, ws two temporaries 630.3) isolated
-it: ws with its per-slice wait but no promotion runs 1034, the plain GEMM 1042, so the synchronisation and operand
-traffic cost nothing and the promotion's instructions (the FFMAs, the scale products, their shared-memory loads)
-are the whole gap. Next step: take everything but the FFMAs off the consumers (the producer warpgroup, idle
-between its TMA issues, writing the per-(row, 32-column) scale products of each slice into shared memory), so the
-consumers' issue slots go to FFMAs and WGMMAs only. Small M (decode, short prefill): ``default_config`` picks a
-64-row loop whose grid fits one wave (run 27: 23-32 us against the ping-pong's 52-58 up to M = 128).
+went from 546 to 1027, and the promoted kernels gained 5-8%: the ping-pong with ``early_sp`` 604 / 627 / 567, ws
+with two temporaries 643 / 571 / 571 (bitwise-equal outputs). Run 41: ws with its per-slice wait but no promotion
+runs 1034, the plain GEMM 1042, so synchronisation and operand traffic cost nothing; the promotion is the gap.
+Run 42 (Nsight Compute source counters, SM clock 1965 MHz under load by nvidia-smi: no throttling) located it
+in the consumers' instruction streams: the ping-pong's consumers spent ~25% of their time waiting for the turn,
+~20% in FMULs waiting on the scale loads (shared memory is busy feeding the WGMMAs) and ~32% in FFMAs issuing at
+under half rate; the halves kernel removes the turn waits and (``stage_scales``) most of the scale-load waits:
+676 TFLOP/s against the ping-pong's 615 in the same run. What is left is the FFMA block itself: 96 FFMAs per
+slice per consumer thread, issued at 0.3-0.5 per cycle (ncu: "dispatch" and "misc" stalls beside "selected"),
+so each scheduler issues 0.58 instructions per cycle. Per 128 x 192 x 32 slice a scheduler has 192 FFMAs to
+issue (one per accumulator element of its two consumer warps) against 192 tensor-core cycles at the nominal fp8
+rate, so the 32-wide blocks make FFMA issue as scarce as tensor time: 900 TFLOP/s needs the same instruction
+stream issued ~1.35x faster (next step: find what holds the FFMAs at half rate while WGMMAs run, e.g. with a
+micro-benchmark of FFMA throughput beside an in-flight WGMMA). Small M (decode, short prefill): ``default_config``
+picks a 64-row loop whose grid fits one wave (run 27: 23-32 us against the ping-pong's 52-58 up to M = 128).
 """
 import functools
 
@@ -153,7 +160,7 @@ def _stage_macros(W: int, BM: int, BN: int, BK: int, SB: int, stages: int, clust
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 2, swizzle: int = 8,
                              nreg: tuple = (240, 24), swizzle128: bool | None = None,
-                             early_sp: bool = True):
+                             early_sp: bool = True, handoff: str = "complete"):
     """The warp-specialised ping-pong kernel (384 threads, BM = 128). Defaults = the measured best (run 11:
     2 stages 569 / 584 / 522 TFLOP/s, 3 stages 560 / 559 / 521, BN=128 467 / 418 / 438; run 26, with the
     128-byte-swizzled stage tiles (``swizzle128``, default where BK = 128) and the scale products computed
@@ -165,7 +172,10 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     * consumer w in {0, 1} (``nreg[0]`` registers) owns output rows [64 w, 64 w + 64) (its own accumulator,
       m64 x nBN WGMMAs) and runs every 32-deep slice g as WGMMA -> promote; consumer 1 issues slice g after
       consumer 0's slice g completed, consumer 0 issues slice g + 1 after consumer 1's slice g completed
-      (``turn`` mbarriers), so each promotion overlaps the other consumer's WGMMA.
+      (``turn`` mbarriers), so each promotion overlaps the other consumer's WGMMA. ``handoff="issue"``: the
+      turn is handed over right after the slice's WGMMA is issued instead of after it completed, so the peer's
+      WGMMA is queued on the tensor core behind it (no idle tensor core between the two) while the order of
+      issue stays alternating.
     Numerics: those of ``_gemm.promote_loop`` (fp8 32x32 weight blocks: one FFMA per element per slice).
     Deadlock freedom: each turn barrier's phase g completes on one peer arrival and is waited on once; a
     consumer completes phase g + 1 of its peer's barrier only after waiting on its own phase g, which the peer
@@ -178,6 +188,8 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     KB, SB, NK = K // 32, BK // 32, K // BK
     if K % BK or BK % 128 or BN % 32:
         raise ValueError(f"fp8_gemm ping-pong: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 32")
+    if handoff not in ("complete", "issue"):
+        raise ValueError(f"fp8_gemm ping-pong: handoff must be 'complete' or 'issue', got {handoff!r}")
     if 2 * nreg[0] + nreg[1] > register_pool_per_row(384):
         raise ValueError(f"fp8_gemm ping-pong: nreg={nreg} over the 384-thread CTA's register pool "
                          f"({register_pool_per_row(384)} per thread of a warpgroup row)")
@@ -202,10 +214,13 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
                     T.barrier_wait(turn[1], g % 2)
                 T.wgmma_gemm(a_s[s, w * HALF:(w + 1) * HALF, kk * 32:(kk + 1) * 32],
                              b_s[s, :, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
+                if handoff == "issue":                  # the peer's WGMMA queues behind this one
+                    T.barrier_arrive(turn[1 - w])
                 if early_sp:                            # the scale loads overlap the WGMMA
                     scale_products(w, s, kk, sp, sa, sb)
                 T.wait_wgmma(0)
-                T.barrier_arrive(turn[1 - w])           # hand the tensor core over, then promote
+                if handoff == "complete":
+                    T.barrier_arrive(turn[1 - w])       # hand the tensor core over, then promote
                 if early_sp:
                     accumulate(tmp, acc, sp)
                 else:
@@ -298,12 +313,13 @@ SMALL_CFGS = (dict(kernel="loop", BM=64, BN=64, threads=128, stages=4),
 
 def default_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     """The kernel ``fp8_gemm`` runs for an M x N x K product when the caller names none: the first small-tile
-    loop of SMALL_CFGS whose ceil(M / 64) x ceil(N / BN) CTAs fit one wave of ``sms`` SMs, else the ping-pong
-    where K is a multiple of 128 (its TMA boxes need it), else the pipelined loop."""
+    loop of SMALL_CFGS whose ceil(M / 64) x ceil(N / BN) CTAs fit one wave of ``sms`` SMs, else the halves kernel
+    (``fp8_gemm_ws_tl.fp8_gemm_halves_kernel``) where K is a multiple of 128 (its TMA boxes need it), else the
+    pipelined loop."""
     for cfg in SMALL_CFGS:
         if -(-M // cfg["BM"]) * -(-N // cfg["BN"]) <= sms:
             return dict(cfg)
-    return dict(kernel="pingpong" if K % 128 == 0 else "loop")
+    return dict(kernel="halves" if K % 128 == 0 else "loop")
 
 
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
@@ -311,7 +327,8 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     """Same contract as ``reference.fp8_gemm`` (block_size 32 only). With no cfg at all ``default_config`` picks
     the kernel by M and K; options without ``kernel`` go to the ping-pong (the loop where K % 128). ``kernel``: "pingpong" (``fp8_gemm_pingpong_kernel``, K a multiple of 128), "ws"
     (``fp8_gemm_ws_kernel``, K a multiple of 128; ``persistent=True`` = one CTA per SM; ``cluster=2`` = 2-CTA
-    clusters multicasting the A tile, ceil(N/BN) even), "loop" (``fp8_gemm_kernel``, any K multiple of 32) or
+    clusters multicasting the A tile, ceil(N/BN) even), "halves" (``fp8_gemm_halves_kernel``: each slice's WGMMA in
+    two software-pipelined column halves), "loop" (``fp8_gemm_kernel``, any K multiple of 32) or
     "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel."""
     if block_size != 32:
         raise NotImplementedError("fp8_gemm (tilelang): block_size 32 only")
@@ -338,10 +355,16 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
             cfg["nreg"] = tuple(cfg["nreg"])
         from .fp8_gemm_ws_tl import fp8_gemm_ws_kernel
         kern = fp8_gemm_ws_kernel(N, K, **cfg)
+    elif kernel == "halves":
+        if "nreg" in cfg:
+            cfg["nreg"] = tuple(cfg["nreg"])
+        from .fp8_gemm_ws_tl import fp8_gemm_halves_kernel
+        kern = fp8_gemm_halves_kernel(N, K, **cfg)
     elif kernel == "loop":
         bk = cfg.pop("BK", _pick_bk(K))
         kern = fp8_gemm_kernel(N, K, BK=bk, **cfg)
     else:
-        raise ValueError(f"fp8_gemm (tilelang): kernel must be 'pingpong', 'ws' or 'loop', got {kernel!r}")
+        raise ValueError(f"fp8_gemm (tilelang): kernel must be 'pingpong', 'ws', 'halves' or 'loop', got "
+                         f"{kernel!r}")
     c = kern(a2, sa, b.contiguous(), _col_scales(b_s, N))
     return c.reshape(*lead, N).to(out_dtype)

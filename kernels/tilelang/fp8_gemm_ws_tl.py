@@ -273,3 +273,136 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
                 body(A, As, Bm, Bs, C, bx, by)
 
     return compile_kernel(fp8_gemm_ws, out_idx=[4])
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 3, swizzle: int = 8,
+                           nreg: tuple = (240, 24), stage_scales: bool = True):
+    """Two consumers (BM = 128), each slice's WGMMA split into two column halves, software-pipelined
+    (``fp8_gemm(..., kernel="halves")``): the registers of the ping-pong (acc BN/2 + tmp BN/2 per thread) but
+    always one WGMMA of the consumer's own in flight while it promotes.
+
+    Why: Nsight Compute (runs 16, 33) found the ping-pong latency-bound at 49% of its issue slots: a consumer's
+    chain per 32-deep slice is WGMMA -> wait -> promote -> next WGMMA, so its tensor core work and its FFMAs
+    never overlap; a second full temporary (``double_tmp``) does not fit beside a 192-wide accumulator. Halves do:
+    consumer w keeps accumulators accA / accB (columns [0, BN/2) and [BN/2, BN)) and temporaries tmpA / tmpB,
+    and within a ring stage runs
+
+        issue A0, B0;  for kk: wait A(kk), promote A(kk), issue A(kk+1); wait B(kk), promote B(kk), issue B(kk+1)
+
+    (``wait_wgmma(1)``: WGMMA groups complete in issue order), so promoting one half overlaps the other's WGMMA.
+    The stage's last half is drained (``wait_wgmma(0)``) before the stage is released, as in ``double_tmp``
+    (a WGMMA in flight across the K loop's back edge makes ptxas serialise every WGMMA). No turns between the
+    consumers: the ws ring (``fp8_gemm_ws_kernel``), C staged in shared memory per consumer and TMA-stored.
+    ``stage_scales`` (default): the scale products of all BK/32 slices of a stage are computed once, right after
+    the stage's first two WGMMAs are issued (two 128-bit shared loads per row of A, one per 32-column block of B:
+    2 x BK/32 x BN/64 products per half and thread), instead of per slice just before its wait; run 42 found the
+    per-slice FMULs waiting on those loads for 20-29% of a consumer's time (shared memory is busy feeding the
+    WGMMAs), and stage_scales took the kernel from 595 to 676 TFLOP/s at 4096x5120x5120.
+    Numerics: bitwise those of every other kernel here (each 32-deep slice summed by the tensor core, then one
+    FFMA per element with the exact power-of-two scale product, slices in order).
+    """
+    M = T.dynamic("M")
+    W, BM = 64, 128
+    HB = BN // 2
+    KB, SB, NK = K // 32, BK // 32, K // BK
+    if K % BK or BK % 128 or BN % 64:
+        raise ValueError(f"fp8_gemm halves: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 64")
+    if 2 * nreg[0] + nreg[1] > register_pool_per_row(384) or nreg[0] % 8 or nreg[1] % 8:
+        raise ValueError(f"fp8_gemm halves: nreg={nreg} over the 384-thread CTA's register pool "
+                         f"({register_pool_per_row(384)} per thread of a warpgroup row)")
+    ring = stages * (BM + BN) * (BK + SB * 4)
+    if ring + BM * BN * 2 > SMEM_MAX:
+        raise ValueError(f"fp8_gemm halves: shared memory {ring + BM * BN * 2} B over {SMEM_MAX}")
+    _, load, _, _ = _stage_macros(W, BM, BN, BK, SB, stages)
+    HC = HB // 32                                       # 32-column scale blocks per half
+
+    @T.macro
+    def issue(w, s, kk, h, tmp, a_s, b_s):
+        T.wgmma_gemm(a_s[s, w * W:(w + 1) * W, kk * 32:(kk + 1) * 32],
+                     b_s[s, h * HB:(h + 1) * HB, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
+
+    SPK = SB if stage_scales else 1                     # slices whose scale products sp holds at once
+
+    @T.macro
+    def scale_products(w, s, kk, h, sp, sa, sb):
+        for i, c in T.Parallel(W, HC):
+            sp[i, c] = sa[s, w * W + i, kk] * sb[s, (h * HC + c) * 32, kk]
+
+    @T.macro
+    def stage_products(w, s, h, sp, sa, sb):
+        for i, c in T.Parallel(W, SB * HC):
+            sp[i, c] = sa[s, w * W + i, c // HC] * sb[s, (h * HC + c % HC) * 32, c // HC]
+
+    @T.macro
+    def accumulate(tmp, acc, sp, kk):
+        for i, j in T.Parallel(W, HB):
+            acc[i, j] += tmp[i, j] * sp[i, (kk % SPK) * HC + j // 32]
+
+    @T.macro
+    def consumer(w, a_s, b_s, sa, sb, full, empty, done, C, bx, by):
+        accA = T.alloc_fragment([W, HB], F32)
+        accB = T.alloc_fragment([W, HB], F32)
+        tmpA = T.alloc_fragment([W, HB], F32)
+        tmpB = T.alloc_fragment([W, HB], F32)
+        spA = T.alloc_fragment([W, SPK * HC], F32)
+        spB = T.alloc_fragment([W, SPK * HC], F32)
+        T.clear(accA)
+        T.clear(accB)
+        for k in T.serial(NK):
+            s = k % stages
+            T.barrier_wait(full[s], (k // stages) % 2)
+            issue(w, s, 0, 0, tmpA, a_s, b_s)
+            issue(w, s, 0, 1, tmpB, a_s, b_s)
+            if stage_scales:                            # all SB slices' products, while A0 / B0 run
+                stage_products(w, s, 0, spA, sa, sb)
+                stage_products(w, s, 1, spB, sa, sb)
+            for kk in T.unroll(SB):                     # scale loads before each wait: off the path
+                if not stage_scales:
+                    scale_products(w, s, kk, 0, spA, sa, sb)
+                T.wait_wgmma(1)                         # A(kk) complete, B(kk) may run
+                accumulate(tmpA, accA, spA, kk)
+                if kk + 1 < SB:
+                    issue(w, s, kk + 1, 0, tmpA, a_s, b_s)
+                if not stage_scales:
+                    scale_products(w, s, kk, 1, spB, sa, sb)
+                if kk + 1 < SB:
+                    T.wait_wgmma(1)                     # B(kk) complete, A(kk+1) may run
+                else:
+                    T.wait_wgmma(0)                     # the stage's last WGMMA
+                accumulate(tmpB, accB, spB, kk)
+                if kk + 1 < SB:
+                    issue(w, s, kk + 1, 1, tmpB, a_s, b_s)
+            T.barrier_arrive(empty[s])                  # its WGMMAs completed, its scales read
+        c_s = T.alloc_shared([W, BN], BF16)
+        T.barrier_arrive(done)                          # both consumers past their last read of the ring
+        T.barrier_wait(done, 0)
+        T.copy(accA, c_s[:, 0:HB])
+        T.copy(accB, c_s[:, HB:BN])
+        T.copy(c_s, C[by * BM + w * W, bx * BN])
+
+    @T.prim_func
+    def fp8_gemm_halves(A: T.Tensor([M, K], FP8), As: T.Tensor([M, KB], F32), Bm: T.Tensor([N, K], FP8),
+                        Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=384) as (bx, by):
+            T.use_swizzle(swizzle)
+            a_sw128 = T.alloc_shared([stages, BM, BK], FP8)     # 128-byte-swizzled tiles (BK = 128 rows)
+            b_sw128 = T.alloc_shared([stages, BN, BK], FP8)
+            sa = T.alloc_shared([stages, BM, SB], F32)
+            sb = T.alloc_shared([stages, BN, SB], F32)
+            full = T.alloc_barrier(arrive_count=[128] * stages)
+            empty = T.alloc_barrier(arrive_count=[256] * stages)
+            done = T.alloc_barrier(arrive_count=256)
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(0, a_sw128, b_sw128, sa, sb, full, empty, done, C, bx, by)
+            elif tx < 256:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(1, a_sw128, b_sw128, sa, sb, full, empty, done, C, bx, by)
+            else:
+                T.set_max_nreg(nreg[1], 0)
+                for k in T.serial(NK):
+                    load(k, k, bx, by, a_sw128, b_sw128, sa, sb, full, empty, A, As, Bm, Bs)
+
+    return compile_kernel(fp8_gemm_halves, out_idx=[4])
