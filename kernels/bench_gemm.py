@@ -397,7 +397,9 @@ GEMM_PROBE_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="iss
                    dict(kernel="ws", consumers=2, double_tmp=True, nreg=(240, 24), stages=4),
                    dict(kernel="halves"), dict(kernel="halves", stages=2), dict(kernel="halves", stages=4, BN=128),
                    dict(kernel="halves", stage_scales=False), dict(kernel="halves", stages=2, stage_scales=False),
-                   dict(kernel="halves", stages=4, BN=128, stage_scales=False)]
+                   dict(kernel="halves", stages=4, BN=128, stage_scales=False),
+                   dict(kernel="halves", consumers=3, BN=128), dict(kernel="halves", consumers=3, BN=128, stages=2),
+                   dict(kernel="halves", consumers=3, BN=128, stage_scales=False)]
 
 
 def gemm_probe(results, args):

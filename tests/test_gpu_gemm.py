@@ -374,7 +374,9 @@ def test_fp4_gemm_grouped_edges():
 FP8_SAME_AS_PINGPONG = [dict(kernel="pingpong", handoff="issue"), dict(kernel="halves"),
                         dict(kernel="halves", stages=2), dict(kernel="halves", stages=4, BN=128),
                         dict(kernel="halves", stage_scales=False), dict(kernel="halves", stages=2, stage_scales=False),
-                        dict(kernel="halves", stages=4, BN=128, stage_scales=False), dict()]
+                        dict(kernel="halves", stages=4, BN=128, stage_scales=False), dict(),
+                        dict(kernel="halves", consumers=3, BN=128), dict(kernel="halves", consumers=3, BN=128,
+                                                                         stage_scales=False)]
 
 
 @pytest.mark.parametrize("cfg", FP8_SAME_AS_PINGPONG, ids=_cfg_id)
@@ -400,6 +402,10 @@ def test_fp8_gemm_schedule_options_refused():
         fw.fp8_gemm_halves_kernel(5120, 5120, BN=160)
     with pytest.raises(ValueError, match="register pool"):
         fw.fp8_gemm_halves_kernel(5120, 5120, nreg=(248, 24))
+    with pytest.raises(ValueError, match="register pool"):
+        fw.fp8_gemm_halves_kernel(5120, 5120, consumers=3, BN=128, nreg=(168, 24))
+    with pytest.raises(ValueError, match="consumers=4 must be 2 or 3"):
+        fw.fp8_gemm_halves_kernel(5120, 5120, consumers=4)
     a, a_s, b, b_s = _fp8_operands(128, 256, 512)
     with pytest.raises(ValueError, match="kernel must be"):
         fg.fp8_gemm(a, a_s, b, b_s, kernel="halfs")

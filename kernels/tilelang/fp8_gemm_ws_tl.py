@@ -277,8 +277,9 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 3, swizzle: int = 8,
-                           nreg: tuple = (240, 24), stage_scales: bool = True):
-    """Two consumers (BM = 128), each slice's WGMMA split into two column halves, software-pipelined
+                           nreg: tuple | None = None, stage_scales: bool = True, consumers: int = 2):
+    """Two consumers (BM = 128; ``consumers=3``: BM = 192, 160 registers each), each slice's WGMMA split into two
+    column halves, software-pipelined
     (``fp8_gemm(..., kernel="halves")``): the registers of the ping-pong (acc BN/2 + tmp BN/2 per thread) but
     always one WGMMA of the consumer's own in flight while it promotes.
 
@@ -303,14 +304,17 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     FFMA per element with the exact power-of-two scale product, slices in order).
     """
     M = T.dynamic("M")
-    W, BM = 64, 128
+    if consumers not in (2, 3):
+        raise ValueError(f"fp8_gemm halves: consumers={consumers} must be 2 or 3")
+    nreg = nreg or ((240, 24) if consumers == 2 else (160, 24))
+    W, BM, threads = 64, 64 * consumers, 128 * (consumers + 1)
     HB = BN // 2
     KB, SB, NK = K // 32, BK // 32, K // BK
     if K % BK or BK % 128 or BN % 64:
         raise ValueError(f"fp8_gemm halves: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 64")
-    if 2 * nreg[0] + nreg[1] > register_pool_per_row(384) or nreg[0] % 8 or nreg[1] % 8:
-        raise ValueError(f"fp8_gemm halves: nreg={nreg} over the 384-thread CTA's register pool "
-                         f"({register_pool_per_row(384)} per thread of a warpgroup row)")
+    if consumers * nreg[0] + nreg[1] > register_pool_per_row(threads) or nreg[0] % 8 or nreg[1] % 8:
+        raise ValueError(f"fp8_gemm halves: nreg={nreg} over the {threads}-thread CTA's register pool "
+                         f"({register_pool_per_row(threads)} per thread of a warpgroup row)")
     ring = stages * (BM + BN) * (BK + SB * 4)
     if ring + BM * BN * 2 > SMEM_MAX:
         raise ValueError(f"fp8_gemm halves: shared memory {ring + BM * BN * 2} B over {SMEM_MAX}")
@@ -384,15 +388,15 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     @T.prim_func
     def fp8_gemm_halves(A: T.Tensor([M, K], FP8), As: T.Tensor([M, KB], F32), Bm: T.Tensor([N, K], FP8),
                         Bs: T.Tensor([N, KB], F32), C: T.Tensor([M, N], BF16)):
-        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=384) as (bx, by):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=threads) as (bx, by):
             T.use_swizzle(swizzle)
             a_sw128 = T.alloc_shared([stages, BM, BK], FP8)     # 128-byte-swizzled tiles (BK = 128 rows)
             b_sw128 = T.alloc_shared([stages, BN, BK], FP8)
             sa = T.alloc_shared([stages, BM, SB], F32)
             sb = T.alloc_shared([stages, BN, SB], F32)
             full = T.alloc_barrier(arrive_count=[128] * stages)
-            empty = T.alloc_barrier(arrive_count=[256] * stages)
-            done = T.alloc_barrier(arrive_count=256)
+            empty = T.alloc_barrier(arrive_count=[128 * consumers] * stages)
+            done = T.alloc_barrier(arrive_count=128 * consumers)
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
@@ -400,6 +404,9 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
             elif tx < 256:
                 T.set_max_nreg(nreg[0], 1)
                 consumer(1, a_sw128, b_sw128, sa, sb, full, empty, done, C, bx, by)
+            elif consumers == 3 and tx < 384:
+                T.set_max_nreg(nreg[0], 1)
+                consumer(2, a_sw128, b_sw128, sa, sb, full, empty, done, C, bx, by)
             else:
                 T.set_max_nreg(nreg[1], 0)
                 for k in T.serial(NK):
