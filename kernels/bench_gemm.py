@@ -266,6 +266,7 @@ def _bf16_path_rows(results, what, e2e, deq_a, deq_b, ref, M, N, K):
 # (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
 # 508). fp4 default: the loop at BN=192 (294 / 279).
 GEMM_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="issue"), dict(kernel="halves", stages=2),
+             dict(kernel="halves", chain=2), dict(kernel="halves", chain=2, stages=2),
              dict(kernel="halves", stage_scales=False),
              dict(kernel="pingpong", BN=128), dict(kernel="pingpong", stages=3), dict(kernel="loop"),
              dict(kernel="loop", BN=128), dict(kernel="loop", stages=3), dict(kernel="loop", BN=128, BM=192, threads=384)]
@@ -399,7 +400,8 @@ GEMM_PROBE_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="iss
                    dict(kernel="halves", stage_scales=False), dict(kernel="halves", stages=2, stage_scales=False),
                    dict(kernel="halves", stages=4, BN=128, stage_scales=False),
                    dict(kernel="halves", consumers=3, BN=128), dict(kernel="halves", consumers=3, BN=128, stages=2),
-                   dict(kernel="halves", consumers=3, BN=128, stage_scales=False)]
+                   dict(kernel="halves", consumers=3, BN=128, stage_scales=False),
+                   dict(kernel="halves", chain=2), dict(kernel="halves", chain=2, stages=2)]
 
 
 def gemm_probe(results, args):

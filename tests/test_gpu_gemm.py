@@ -376,7 +376,9 @@ FP8_SAME_AS_PINGPONG = [dict(kernel="pingpong", handoff="issue"), dict(kernel="h
                         dict(kernel="halves", stage_scales=False), dict(kernel="halves", stages=2, stage_scales=False),
                         dict(kernel="halves", stages=4, BN=128, stage_scales=False), dict(),
                         dict(kernel="halves", consumers=3, BN=128), dict(kernel="halves", consumers=3, BN=128,
-                                                                         stage_scales=False)]
+                                                                         stage_scales=False),
+                        dict(kernel="halves", chain=2), dict(kernel="halves", chain=2, stages=2),
+                        dict(kernel="halves", chain=2, stage_scales=False)]
 
 
 @pytest.mark.parametrize("cfg", FP8_SAME_AS_PINGPONG, ids=_cfg_id)
@@ -404,6 +406,8 @@ def test_fp8_gemm_schedule_options_refused():
         fw.fp8_gemm_halves_kernel(5120, 5120, nreg=(248, 24))
     with pytest.raises(ValueError, match="register pool"):
         fw.fp8_gemm_halves_kernel(5120, 5120, consumers=3, BN=128, nreg=(168, 24))
+    with pytest.raises(ValueError, match="chain=2 must be 1 or 2, at most stages=3 and divide the K/BK = 5 stages"):
+        fw.fp8_gemm_halves_kernel(5120, 640, chain=2)
     with pytest.raises(ValueError, match="consumers=4 must be 2 or 3"):
         fw.fp8_gemm_halves_kernel(5120, 5120, consumers=4)
     a, a_s, b, b_s = _fp8_operands(128, 256, 512)

@@ -277,7 +277,8 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
 
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 3, swizzle: int = 8,
-                           nreg: tuple | None = None, stage_scales: bool = True, consumers: int = 2):
+                           nreg: tuple | None = None, stage_scales: bool = True, consumers: int = 2,
+                           chain: int = 1):
     """Two consumers (BM = 128; ``consumers=3``: BM = 192, 160 registers each), each slice's WGMMA split into two
     column halves, software-pipelined
     (``fp8_gemm(..., kernel="halves")``): the registers of the ping-pong (acc BN/2 + tmp BN/2 per thread) but
@@ -295,6 +296,10 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     The stage's last half is drained (``wait_wgmma(0)``) before the stage is released, as in ``double_tmp``
     (a WGMMA in flight across the K loop's back edge makes ptxas serialise every WGMMA). No turns between the
     consumers: the ws ring (``fp8_gemm_ws_kernel``), C staged in shared memory per consumer and TMA-stored.
+    ``chain=2``: the K loop's body is two ring stages of straight-line code, and the first issues the second's
+    first two WGMMAs before promoting its own last half (one drain per two stages, at the loop's back edge); a
+    chain waits for both its stages at its start, while no WGMMA is in flight
+    (ptxas serialises every WGMMA when one is in flight across the mbarrier wait's spin loop: C7514).
     ``stage_scales`` (default): the scale products of all BK/32 slices of a stage are computed once, right after
     the stage's first two WGMMAs are issued (two 128-bit shared loads per row of A, one per 32-column block of B:
     2 x BK/32 x BN/64 products per half and thread), instead of per slice just before its wait; run 42 found the
@@ -306,6 +311,9 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     M = T.dynamic("M")
     if consumers not in (2, 3):
         raise ValueError(f"fp8_gemm halves: consumers={consumers} must be 2 or 3")
+    if chain not in (1, 2) or (K // BK) % chain or chain > stages:
+        raise ValueError(f"fp8_gemm halves: chain={chain} must be 1 or 2, at most stages={stages} and divide the "
+                         f"K/BK = {K // BK} stages")
     nreg = nreg or ((240, 24) if consumers == 2 else (160, 24))
     W, BM, threads = 64, 64 * consumers, 128 * (consumers + 1)
     HB = BN // 2
@@ -344,6 +352,43 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
             acc[i, j] += tmp[i, j] * sp[i, (kk % SPK) * HC + j // 32]
 
     @T.macro
+    def stage(w, k, chained_in, chain_out, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA, spB):
+        """Ring stage k of consumer w. ``chained_in``: its first two WGMMAs were issued by the previous stage;
+        ``chain_out``: the next stage's first two WGMMAs are issued here, in the shadow of this stage's last
+        promotions (instead of draining with wait_wgmma(0))."""
+        s = k % stages
+        if not chained_in:                              # the whole chain's stages, while no WGMMA is in flight
+            T.barrier_wait(full[s], (k // stages) % 2)  # (a wait loop with one in flight: ptxas C7514)
+            if chain_out:
+                T.barrier_wait(full[(k + 1) % stages], ((k + 1) // stages) % 2)
+            issue(w, s, 0, 0, tmpA, a_s, b_s)
+            issue(w, s, 0, 1, tmpB, a_s, b_s)
+        if stage_scales:                                # all SB slices' products, while A0 / B0 run
+            stage_products(w, s, 0, spA, sa, sb)
+            stage_products(w, s, 1, spB, sa, sb)
+        for kk in T.unroll(SB):                         # scale loads before each wait: off the path
+            if not stage_scales:
+                scale_products(w, s, kk, 0, spA, sa, sb)
+            T.wait_wgmma(1)                             # A(kk) complete, B(kk) may run
+            accumulate(tmpA, accA, spA, kk)
+            if kk + 1 < SB:
+                issue(w, s, kk + 1, 0, tmpA, a_s, b_s)
+            elif chain_out:                             # the next stage's A0 behind this stage's B(last)
+                issue(w, (k + 1) % stages, 0, 0, tmpA, a_s, b_s)
+            if not stage_scales:
+                scale_products(w, s, kk, 1, spB, sa, sb)
+            if kk + 1 < SB or chain_out:
+                T.wait_wgmma(1)                         # B(kk) complete, the next A may run
+            else:
+                T.wait_wgmma(0)                         # the stage's last WGMMA
+            accumulate(tmpB, accB, spB, kk)
+            if kk + 1 < SB:
+                issue(w, s, kk + 1, 1, tmpB, a_s, b_s)
+            elif chain_out:
+                issue(w, (k + 1) % stages, 0, 1, tmpB, a_s, b_s)
+        T.barrier_arrive(empty[s])                      # its WGMMAs completed, its scales read
+
+    @T.macro
     def consumer(w, a_s, b_s, sa, sb, full, empty, done, C, bx, by):
         accA = T.alloc_fragment([W, HB], F32)
         accB = T.alloc_fragment([W, HB], F32)
@@ -353,31 +398,12 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
         spB = T.alloc_fragment([W, SPK * HC], F32)
         T.clear(accA)
         T.clear(accB)
-        for k in T.serial(NK):
-            s = k % stages
-            T.barrier_wait(full[s], (k // stages) % 2)
-            issue(w, s, 0, 0, tmpA, a_s, b_s)
-            issue(w, s, 0, 1, tmpB, a_s, b_s)
-            if stage_scales:                            # all SB slices' products, while A0 / B0 run
-                stage_products(w, s, 0, spA, sa, sb)
-                stage_products(w, s, 1, spB, sa, sb)
-            for kk in T.unroll(SB):                     # scale loads before each wait: off the path
-                if not stage_scales:
-                    scale_products(w, s, kk, 0, spA, sa, sb)
-                T.wait_wgmma(1)                         # A(kk) complete, B(kk) may run
-                accumulate(tmpA, accA, spA, kk)
-                if kk + 1 < SB:
-                    issue(w, s, kk + 1, 0, tmpA, a_s, b_s)
-                if not stage_scales:
-                    scale_products(w, s, kk, 1, spB, sa, sb)
-                if kk + 1 < SB:
-                    T.wait_wgmma(1)                     # B(kk) complete, A(kk+1) may run
-                else:
-                    T.wait_wgmma(0)                     # the stage's last WGMMA
-                accumulate(tmpB, accB, spB, kk)
-                if kk + 1 < SB:
-                    issue(w, s, kk + 1, 1, tmpB, a_s, b_s)
-            T.barrier_arrive(empty[s])                  # its WGMMAs completed, its scales read
+        for kc in T.serial(NK // chain):
+            if chain == 1:
+                stage(w, kc, False, False, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA, spB)
+            else:                                       # two stages of straight-line code: no back edge between
+                stage(w, 2 * kc, False, True, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA, spB)
+                stage(w, 2 * kc + 1, True, False, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA, spB)
         c_s = T.alloc_shared([W, BN], BF16)
         T.barrier_arrive(done)                          # both consumers past their last read of the ring
         T.barrier_wait(done, 0)
