@@ -27,7 +27,6 @@ def gemms(results, args):
     """fp8 GEMM sweep over args.gemm_cfgs (default first) and FP8_WS_CFGS + the e2e call and the peers."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp8 GEMM (32-wide e8m0 blocks) M={M} N={N} K={K}: {2 * M * N * K / 1e9:.1f} GFLOP", flush=True)
         x = torch.randn(M, K, device="cuda").bfloat16()
@@ -39,8 +38,7 @@ def gemms(results, args):
             name = f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
             try:                                   # a failing variant prints its error, the sweep goes on
                 kc = dict(cfg) or fg.default_config(M, N, K)  # {}: what fp8_gemm runs with no options
-                build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "loop": fg.fp8_gemm_kernel,
-                         "ws": fw.fp8_gemm_ws_kernel, "halves": fw.fp8_gemm_halves_kernel}[kc.pop("kernel", "pingpong")]
+                build = fg.kernel_factory(kc.pop("kernel", "pingpong"))
                 k = build(N, K, **kc)
                 results.append(row(name, bench(lambda: k(a, sa, b, sb)), fl, by))
             except Exception as e:
@@ -195,7 +193,6 @@ def gemm_wide(results, args):
     be: the same WGMMAs in the same order, only the bytes' placement in shared memory differs)."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     from functional_dsv41.kernels.tilelang._gemm import dequant_bf16
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp8 GEMM shared layout M={M} N={N} K={K}", flush=True)
@@ -205,8 +202,7 @@ def gemm_wide(results, args):
         fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
         for cfg in GEMM_WIDE_CFGS:
             kc = dict(cfg)
-            build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "ws": fw.fp8_gemm_ws_kernel,
-                     "loop": fg.fp8_gemm_kernel}[kc.pop("kernel")]
+            build = fg.kernel_factory(kc.pop("kernel"))
             outs = []
             for sw in (False, True):
                 name = f"{json.dumps(dict(cfg, swizzle128=sw), separators=(',', ':'))}"
@@ -262,8 +258,8 @@ def _bf16_path_rows(results, what, e2e, deq_a, deq_b, ref, M, N, K):
         print(f"{what} bf16 path: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-# Block-scaled GEMM knobs swept by "gemm" and "fp4gemm". fp8 default: the ping-pong kernel, BN=192, 2 stages
-# (run 11: 569 / 584 / 522 TFLOP/s); "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
+# Block-scaled GEMM knobs swept by "gemm" and "fp4gemm" (the "gemm" sweep starts with fp8_gemm's default, since run
+# 44 the halves kernel). fp8 ping-pong, BN=192, 2 stages: run 11 569 / 584 / 522 TFLOP/s; "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
 # 508). fp4 default: the loop at BN=192 (294 / 279).
 GEMM_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="issue"), dict(kernel="halves", stages=2),
              dict(kernel="halves", chain=2), dict(kernel="halves", chain=2, stages=2),
@@ -409,7 +405,6 @@ def gemm_probe(results, args):
     then torch._scaled_mm (rowwise) the same way, the peer's clock for comparison."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    from functional_dsv41.kernels.tilelang import fp8_gemm_ws_tl as fw
     M, N, K = 4096, 5120, 5120
     print(f"-- fp8 GEMM probe M={M} N={N} K={K} (diag rows ignore the scales: timing only)", flush=True)
     a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
@@ -420,8 +415,7 @@ def gemm_probe(results, args):
         name = f"probe {json.dumps(cfg, separators=(',', ':'))}"
         try:
             kc = dict(cfg)
-            build = {"pingpong": fg.fp8_gemm_pingpong_kernel, "ws": fw.fp8_gemm_ws_kernel,
-                     "halves": fw.fp8_gemm_halves_kernel}[kc.pop("kernel")]
+            build = fg.kernel_factory(kc.pop("kernel"))
             k = build(N, K, **kc)
             fn = lambda: k(a, sa, b, sb)                # noqa: E731
             ms = bench(fn)

@@ -129,7 +129,7 @@ def gemm():
     import test_gpu_gemm as t
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels import bench_gemm as bg
-    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4, fp8_gemm_tl as fg, fp8_gemm_ws_tl as fw
+    from functional_dsv41.kernels.tilelang import fp4_gemm_tl as f4, fp8_gemm_tl as fg
     from functional_dsv41.kernels.tilelang._gemm import dequant_bf16
 
     def fp8(M, N, K, **cfg):
@@ -163,12 +163,7 @@ def gemm():
             fp8(*shape, **cfg)
     for cfg in bg.GEMM_PROBE_CFGS:                      # the bench's gemmprobe rows (kernels launched directly)
         kc = dict(cfg)
-        if kc.pop("kernel") == "pingpong":
-            fg.fp8_gemm_pingpong_kernel(5120, 5120, **kc)
-        elif cfg["kernel"] == "halves":
-            fw.fp8_gemm_halves_kernel(5120, 5120, **kc)
-        else:
-            fw.fp8_gemm_ws_kernel(5120, 5120, **kc)
+        fg.kernel_factory(kc.pop("kernel"))(5120, 5120, **kc)
     fp8(6, 256, 512)
     for shape in t.FP4_GEMM_SHAPES:
         for cfg in [{}, dict(kernel="loop"), dict(kernel="bf16")] + t.FP4_CFGS:

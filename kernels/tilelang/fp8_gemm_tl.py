@@ -322,6 +322,18 @@ def default_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     return dict(kernel="halves" if K % 128 == 0 else "loop")
 
 
+def kernel_factory(kernel: str):
+    """The kernel factory behind ``fp8_gemm``'s ``kernel`` name ("pingpong", "ws", "halves", "loop"): what the bench
+    and scripts/precompile_kernels.py call to build a kernel directly, with the wrapper's error for other names."""
+    from . import fp8_gemm_ws_tl as fw      # it imports this module
+    factories = {"pingpong": fp8_gemm_pingpong_kernel, "ws": fw.fp8_gemm_ws_kernel,
+                 "halves": fw.fp8_gemm_halves_kernel, "loop": fp8_gemm_kernel}
+    if kernel not in factories:
+        raise ValueError(f"fp8_gemm (tilelang): kernel must be 'pingpong', 'ws', 'halves' or 'loop', got "
+                         f"{kernel!r}")
+    return factories[kernel]
+
+
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16, **cfg) -> torch.Tensor:
     """Same contract as ``reference.fp8_gemm`` (block_size 32 only). With no cfg at all ``default_config`` picks
@@ -346,25 +358,12 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
         return c.reshape(*lead, N).to(out_dtype)
     if cfg.get("diag"):
         raise ValueError("fp8_gemm (tilelang): diag kernels ignore the scales (bench only)")
-    if kernel == "pingpong":
-        kern = fp8_gemm_pingpong_kernel(N, K, **cfg)
-    elif kernel == "ws":
-        if cfg.get("persistent") is True:
-            cfg["persistent"] = sm_count(a.device)
-        if "nreg" in cfg:
-            cfg["nreg"] = tuple(cfg["nreg"])
-        from .fp8_gemm_ws_tl import fp8_gemm_ws_kernel
-        kern = fp8_gemm_ws_kernel(N, K, **cfg)
-    elif kernel == "halves":
-        if "nreg" in cfg:
-            cfg["nreg"] = tuple(cfg["nreg"])
-        from .fp8_gemm_ws_tl import fp8_gemm_halves_kernel
-        kern = fp8_gemm_halves_kernel(N, K, **cfg)
-    elif kernel == "loop":
-        bk = cfg.pop("BK", _pick_bk(K))
-        kern = fp8_gemm_kernel(N, K, BK=bk, **cfg)
-    else:
-        raise ValueError(f"fp8_gemm (tilelang): kernel must be 'pingpong', 'ws', 'halves' or 'loop', got "
-                         f"{kernel!r}")
+    if "nreg" in cfg:                   # hashable for the factories' caches
+        cfg["nreg"] = tuple(cfg["nreg"])
+    if kernel == "ws" and cfg.get("persistent") is True:
+        cfg["persistent"] = sm_count(a.device)
+    if kernel == "loop":
+        cfg["BK"] = cfg.get("BK", _pick_bk(K))
+    kern = kernel_factory(kernel)(N, K, **cfg)
     c = kern(a2, sa, b.contiguous(), _col_scales(b_s, N))
     return c.reshape(*lead, N).to(out_dtype)
