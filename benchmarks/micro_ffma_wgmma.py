@@ -1,0 +1,175 @@
+"""Does FFMA issue overlap an in-flight fp8 WGMMA on Hopper?  A micro-benchmark for the fp8 GEMM's promotion.
+
+The fp8 GEMM with 32-wide block scales promotes every k = 32 WGMMA with one FFMA per accumulator element,
+so per 128 x 192 x 32 slice each SM sub-partition issues 192 FFMAs against 192 nominal tensor-core cycles.
+Run 44's halves kernel takes ~586 cycles a slice where the same structure without the FFMAs takes ~394
+(ws diag, run 41): time ~ tensor time + FFMA issue time, as if the two did not overlap. This measures it
+directly, with no data dependencies between the two: one CTA per SM, each warpgroup given a role
+
+  mma   back-to-back m64nBNk32 e4m3 WGMMAs from shared memory (8 per round, drained once a round)
+  ffma  rounds of x += y * s, y += x * s over two [64, 96] fp32 fragments (48 FFMAs a thread, REPS times a
+        round; each FFMA reads the previous one's result, so the compiler cannot fold them)
+  both  the WGMMAs of a round issued, then the FFMAs of a round on registers the WGMMAs do not touch, then
+        the drain (overlap inside one warpgroup, as the halves kernel needs)
+  idle  nothing
+
+and prints the time of each role mix with the WGMMA rate (TFLOP/s) and the FFMA rate (warp FFMAs per
+sub-partition per cycle at the SM clock the driver reports). If the mix (mma, ffma) takes about the sum of
+(mma, idle) and (ffma, idle), FFMA issue and the tensor core do not overlap on this machine.
+
+    python3 benchmarks/micro_ffma_wgmma.py                # on the GPU
+    DSV41_TL_TARGET='{"kind":"cuda","arch":"sm_90a"}' python3 benchmarks/micro_ffma_wgmma.py --compile-only
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import tilelang.language as T  # noqa: E402
+
+from kernels.tilelang._common import compile_kernel  # noqa: E402
+
+F32, FP8 = "float32", "float8_e4m3fn"
+MMAS_PER_ROUND = 8
+FFMA_W = 96                     # fragment columns of the ffma role: 48 FFMAs a thread per repetition
+
+MIXES = [("mma",), ("mma", "mma"), ("ffma",), ("ffma", "ffma"), ("mma", "ffma"), ("mma", "mma", "ffma"),
+         ("both",), ("both", "both"), ("mma", "idle")]
+
+
+@functools.lru_cache(maxsize=None)
+def micro_kernel(roles: tuple, rounds: int, reps: int, BN: int = 192):
+    """One CTA per SM (grid = ctas at launch), 128 threads a role. Out[cta, tid] sinks every accumulator so
+    that nothing is dead code."""
+    nw = len(roles)
+    threads = 128 * nw
+    CT = T.dynamic("CT")
+    rr = tuple(roles) + ("idle",) * (3 - nw)
+    assert 1 <= nw <= 3 and all(r in ("mma", "ffma", "both", "idle") for r in roles)
+
+    @T.macro
+    def mma_round(w, a_s, b_s, acc):
+        for kk in T.unroll(MMAS_PER_ROUND):
+            T.wgmma_gemm(a_s[w * 64:(w + 1) * 64, (kk % 4) * 32:(kk % 4 + 1) * 32],
+                         b_s[:, (kk % 4) * 32:(kk % 4 + 1) * 32], acc, transpose_B=True, clear_accum=False)
+
+    @T.macro
+    def ffma_round(f_acc, f_tmp, sp):
+        for r in T.unroll(reps // 2):   # x += y s; y += x s: every FFMA needs the last one's result (no folding)
+            for i, j in T.Parallel(64, FFMA_W):
+                f_acc[i, j] += f_tmp[i, j] * sp[i, j // 32]
+            for i, j in T.Parallel(64, FFMA_W):
+                f_tmp[i, j] += f_acc[i, j] * sp[i, j // 32]
+
+    @T.macro
+    def role(w, what, a_s, b_s, Out, Sc, bx):
+        if what in ("mma", "both"):
+            acc = T.alloc_fragment([64, BN], F32)
+            T.clear(acc)
+        if what in ("ffma", "both"):
+            f_acc = T.alloc_fragment([64, FFMA_W], F32)
+            f_tmp = T.alloc_fragment([64, FFMA_W], F32)
+            sp = T.alloc_fragment([64, FFMA_W // 32], F32)
+            # one WGMMA before the timed rounds gives the FFMA fragments the accumulator layout (as in the GEMM)
+            T.wgmma_gemm(a_s[w * 64:(w + 1) * 64, 0:32], b_s[0:FFMA_W, 0:32], f_tmp, transpose_B=True,
+                         clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(64, FFMA_W):
+                f_acc[i, j] = 0.0
+                f_tmp[i, j] += T.cast(i * 3 + j, F32) * 1e-3
+            for i, c in T.Parallel(64, FFMA_W // 32):
+                sp[i, c] = Sc[c]
+        if what != "idle":
+            for _ in T.serial(rounds):
+                if what in ("mma", "both"):
+                    mma_round(w, a_s, b_s, acc)
+                if what in ("ffma", "both"):
+                    ffma_round(f_acc, f_tmp, sp)
+                if what in ("mma", "both"):
+                    T.wait_wgmma(0)
+        if what in ("mma", "both"):
+            for i, j in T.Parallel(64, BN):
+                Out[bx, w * 64 + i, j] = acc[i, j]
+        if what in ("ffma", "both"):
+            for i, j in T.Parallel(64, FFMA_W):
+                Out[bx, w * 64 + i, BN - FFMA_W + j] += f_acc[i, j]
+
+    @T.prim_func
+    def micro(Out: T.Tensor([CT, 64 * nw, BN], F32), Sc: T.Tensor([FFMA_W // 32], F32)):
+        with T.Kernel(CT, threads=threads) as bx:
+            a_s = T.alloc_shared([64 * nw, 128], FP8)
+            b_s = T.alloc_shared([BN, 128], FP8)
+            pad = T.alloc_shared([160 * 1024], "uint8")      # one CTA per SM
+            for i, j in T.Parallel(64 * nw, 128):
+                a_s[i, j] = T.cast(0.0, FP8)
+            for i, j in T.Parallel(BN, 128):
+                b_s[i, j] = T.cast(0.0, FP8)
+            pad[T.get_thread_binding()] = 0
+            T.sync_threads()
+            tx = T.get_thread_binding()
+            if tx < 128:                 # static roles, one branch per warpgroup
+                role(0, rr[0], a_s, b_s, Out, Sc, bx)
+            else:
+                if nw >= 2:
+                    if tx < 256:
+                        role(1, rr[1], a_s, b_s, Out, Sc, bx)
+                    else:
+                        if nw >= 3:
+                            role(2, rr[2], a_s, b_s, Out, Sc, bx)
+
+    return compile_kernel(micro)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=8, help="FFMA repetitions (48 FFMAs a thread each) a round, even")
+    ap.add_argument("--bn", type=int, nargs="+", default=[192, 96])
+    ap.add_argument("--clock-mhz", type=float, default=1965.0,
+                    help="SM clock under load for the FFMA rate (run 42: nvidia-smi read 1965 MHz; torch reports idle)")
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args(argv)
+    for bn in args.bn:
+        for mix in MIXES:
+            micro_kernel(mix, args.rounds, args.reps, bn)
+    if args.compile_only:
+        print(f"compiled {len(MIXES) * len(args.bn)} micro kernels")
+        return
+    import torch
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    ctas = props.multi_processor_count
+    clock_hz = args.clock_mhz * 1e6
+    print(f"{props.name}, {ctas} SMs, FFMA rate at {args.clock_mhz:.0f} MHz; {args.rounds} rounds, "
+          f"{MMAS_PER_ROUND} WGMMAs or {args.reps} x 48 FFMAs a thread per round")
+    print(f"{'BN':>4} {'roles':<22} {'us':>9} {'WGMMA TFLOP/s':>14} {'FFMA/cycle/sub-part.':>21}")
+    for bn in args.bn:
+        for mix in MIXES:
+            k = micro_kernel(mix, args.rounds, args.reps, bn)
+            out = torch.zeros(ctas, 64 * len(mix), bn, device=dev)
+            sc = torch.tensor([0.5, 1.0, 1.5], device=dev)       # runtime scales: no immediates in the FFMAs
+            for _ in range(2):
+                k(out, sc)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ts = []
+            for _ in range(5):
+                ev[0].record()
+                k(out, sc)
+                ev[1].record()
+                torch.cuda.synchronize()
+                ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
+            t = min(ts)
+            n_mma = sum(r in ("mma", "both") for r in mix)
+            n_ffma = sum(r in ("ffma", "both") for r in mix)
+            flops = ctas * n_mma * args.rounds * MMAS_PER_ROUND * 2 * 64 * bn * 32
+            ffma_warp = ctas * n_ffma * 4 * args.rounds * args.reps * 48     # warp instructions
+            rate = ffma_warp / (t * clock_hz * ctas * 4)
+            print(f"{bn:>4} {','.join(mix):<22} {t * 1e6:9.1f} {flops / t / 1e12:14.1f} {rate:21.3f}")
+
+
+if __name__ == "__main__":
+    main()
