@@ -35,9 +35,11 @@ under half rate; the halves kernel removes the turn waits and (``stage_scales``)
 slice per consumer thread, issued at 0.3-0.5 per cycle (ncu: "dispatch" and "misc" stalls beside "selected"),
 so each scheduler issues 0.58 instructions per cycle. Per 128 x 192 x 32 slice a scheduler has 192 FFMAs to
 issue (one per accumulator element of its two consumer warps) against 192 tensor-core cycles at the nominal fp8
-rate, so the 32-wide blocks make FFMA issue as scarce as tensor time: 900 TFLOP/s needs the same instruction
-stream issued ~1.35x faster (next step: find what holds the FFMAs at half rate while WGMMAs run, e.g. with a
-micro-benchmark of FFMA throughput beside an in-flight WGMMA). Small M (decode, short prefill): ``default_config``
+rate, so the 32-wide blocks make FFMA issue as scarce as tensor time. Run 47 (``benchmarks/micro_ffma_wgmma.py``)
+measured why the two do not overlap: an independent FFMA stream in one warpgroup beside a WGMMA stream in another
+takes 96-99% of the sum of their times alone, so the GEMM's time is its WGMMA time PLUS M*N*K/1024 warp FFMAs
+(112 us at 4096x5120x5120): ~675 TFLOP/s with our plain part's 1042, ~744 with cuBLAS's 1212; 900 would need the
+plain part at ~1690 on real data. Next step: stream-K for the 6.55-wave tail (~6%). Small M (decode, short prefill): ``default_config``
 picks a 64-row loop whose grid fits one wave (run 27: 23-32 us against the ping-pong's 52-58 up to M = 128).
 """
 import functools
