@@ -43,13 +43,13 @@ MIXES = [("mma",), ("mma", "mma"), ("ffma",), ("ffma", "ffma"), ("mma", "ffma"),
 
 @functools.lru_cache(maxsize=None)
 def micro_kernel(roles: tuple, rounds: int, reps: int, BN: int = 192):
-    """One CTA per SM (grid = ctas at launch), 128 threads a role. Out[cta, tid] sinks every accumulator so
-    that nothing is dead code."""
+    """One CTA per SM (grid = ctas at launch), 128 threads a role. Out [ctas, 64 * roles, BN] sinks every
+    accumulator so that nothing is dead code. ``reps`` must be even (the FFMA chains alternate two fragments)."""
     nw = len(roles)
     threads = 128 * nw
     CT = T.dynamic("CT")
     rr = tuple(roles) + ("idle",) * (3 - nw)
-    assert 1 <= nw <= 3 and all(r in ("mma", "ffma", "both", "idle") for r in roles)
+    assert 1 <= nw <= 3 and all(r in ("mma", "ffma", "both", "idle") for r in roles) and reps % 2 == 0
 
     @T.macro
     def mma_round(w, a_s, b_s, acc):
@@ -133,6 +133,8 @@ def main(argv=None):
                     help="SM clock under load for the FFMA rate (run 42: nvidia-smi read 1965 MHz; torch reports idle)")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args(argv)
+    if args.reps < 2 or args.reps % 2:
+        ap.error(f"--reps must be even and at least 2 (the FFMA chains alternate two fragments), got {args.reps}")
     for bn in args.bn:
         for mix in MIXES:
             micro_kernel(mix, args.rounds, args.reps, bn)

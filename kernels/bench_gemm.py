@@ -259,8 +259,8 @@ def _bf16_path_rows(results, what, e2e, deq_a, deq_b, ref, M, N, K):
 
 
 # Block-scaled GEMM knobs swept by "gemm" and "fp4gemm" (the "gemm" sweep starts with fp8_gemm's default, since run
-# 44 the halves kernel). fp8 ping-pong, BN=192, 2 stages: run 11 569 / 584 / 522 TFLOP/s; "loop" = the pipelined main loop shared with fp4 (BN=192 sync: 549 / 541 /
-# 508). fp4 default: the loop at BN=192 (294 / 279).
+# 44 the halves kernel). fp8 ping-pong, BN=192, 2 stages: run 11 569 / 584 / 522 TFLOP/s; "loop" = the pipelined
+# main loop shared with fp4 (BN=192 sync: 549 / 541 / 508). fp4 default: the loop at BN=192 (294 / 279).
 GEMM_CFGS = [dict(kernel="pingpong"), dict(kernel="pingpong", handoff="issue"), dict(kernel="halves", stages=2),
              dict(kernel="halves", chain=2), dict(kernel="halves", chain=2, stages=2),
              dict(kernel="halves", stage_scales=False),
