@@ -15,21 +15,29 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-_ROWS = 8       # fp32 GEMM rows: multiples of 8 keep MKL on one kernel
+_ROWS = 16      # CPU GEMMs run as GEMMs of exactly this many rows (see linear_rows)
 _VALUES = 64    # elementwise: a multiple of every SIMD width (AVX2 8, AVX-512 16 fp32 lanes)
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias) with each output row independent of the number of rows (CPU)."""
+    """``F.linear(x, w)`` (no bias) with each output row independent of the number of rows (CPU).
+
+    The rows are padded to a multiple of ``_ROWS`` and multiplied ``_ROWS`` at a time, so every row goes
+    through a GEMM of the same shape. Padding to a multiple of 8 rows in one call was enough on AVX2/AVX-512
+    machines without AMX; on a Sapphire Rapids (AMX) machine MKL's sgemm also switches kernels between 8 and
+    16 rows and between ~100 and ~200 rows at some (K, N) (and K-splits large calls), so a decode step's
+    row differed in the last ulp from the same row in a prefill (2026-12-04). Same-shape calls are the
+    invariant that holds on every machine tried."""
     if x.device.type != "cpu":
         return F.linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    pad = (-x2.shape[0]) % _ROWS
+    n = x2.shape[0]
+    pad = (-n) % _ROWS
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-    y = F.linear(x2, w)
-    return (y[:y.shape[0] - pad] if pad else y).reshape(*lead, w.shape[0])
+    y = torch.cat([F.linear(c, w) for c in x2.split(_ROWS)]) if x2.shape[0] > _ROWS else F.linear(x2, w)
+    return y[:n].reshape(*lead, w.shape[0])
 
 
 def ordered_sum(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

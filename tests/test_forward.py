@@ -5,7 +5,7 @@ import torch
 
 import functional_dsv41 as fd
 
-from conftest import cosine_diff, fixture_dir, golden
+from conftest import cosine_diff, fixture_dir, golden, skip_off_golden_trajectory
 
 _CACHE = {}
 
@@ -69,6 +69,7 @@ def test_chunked_prefill_equals_one_prefill(sizes):
 
 def test_chunked_prefill_matches_golden_prefix_prefills():
     """decode.{k}.prefill_logits are the reference's prefill of P+k+1 tokens: one chunk of 41 + k+1 singles."""
+    skip_off_golden_trajectory("tiny-bf16")
     cfg, params = fixture_model("tiny-bf16")
     g = golden("tiny-bf16")
     P = int(g["prefill_len"])

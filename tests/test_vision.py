@@ -12,7 +12,7 @@ import functional_dsv41 as fd
 from functional_dsv41 import image_processor as ip
 from functional_dsv41 import vision
 
-from conftest import cosine_diff, fixture_dir, golden
+from conftest import check_flip, cosine_diff, divergence_report, fixture_dir, golden, golden_divergence
 
 NAME = "tiny-vl"
 _CACHE = {}
@@ -51,6 +51,15 @@ def prefill():
         out = fd.forward(params, vl_batch(g, P), cfg=cfg, state=st, return_hidden=True, debug=dbg)
         _CACHE["prefill"] = out, dbg
     return _CACHE["prefill"]
+
+
+def skip_off_golden_trajectory():
+    """As conftest.skip_off_golden_trajectory, for the image prefill (cosine bound 1e-3: fp8 paths)."""
+    cfg, _, g = setup()
+    div = golden_divergence(prefill()[1], g, cfg)
+    if div is not None:
+        check_flip("tiny-vl", div, 1e-3)
+        pytest.skip(divergence_report("tiny-vl", div))
 
 
 def report(name, ours, ref):
@@ -130,8 +139,12 @@ def test_prefill_vl_every_block():
     assert torch.equal(dbg["image.0.vit_out"], g["prefill.image.0.vit_out"])
     assert torch.equal(dbg["image.0.aligner_out"], g["prefill.image.0.aligner_out"])
     assert torch.equal(dbg["embed"], g["prefill.embed"])            # spans merged exactly
+    div = golden_divergence(dbg, g, cfg)
     worst = 0.0
     for L in cfg.layer_ids:
+        if div is not None and L == div["layer"]:      # past a near-tie flip: another trajectory (conftest)
+            check_flip("tiny-vl", div, 1e-3)
+            break
         for key in ("h", "pre_mix", "attn_out", "ffn_out"):
             c = cosine_diff(dbg[f"layer.{L}.{key}"], g[f"prefill.layer.{L}.{key}"])
             worst = max(worst, c)
@@ -144,6 +157,7 @@ def test_prefill_vl_every_block():
 
 
 def test_prefill_vl_topk_and_logits():
+    skip_off_golden_trajectory()
     cfg, params, g = setup()
     out, _ = prefill()
     P = int(g["prefill_len"])
@@ -160,6 +174,7 @@ def test_prefill_vl_topk_and_logits():
 
 
 def test_decode_after_vl_prefill():
+    skip_off_golden_trajectory()
     cfg, params, g = setup()
     out, _ = prefill()
     P = int(g["prefill_len"])
@@ -176,6 +191,7 @@ def test_decode_after_vl_prefill():
 
 def test_chunked_prefill_after_image_chunk():
     """Image spans in the first chunk, text in the next: same logits as one prefill (golden prefill_logits)."""
+    skip_off_golden_trajectory()
     cfg, params, g = setup()
     P = int(g["prefill_len"])
     k = 3
@@ -260,6 +276,7 @@ def test_text_only_rows_unchanged_by_images_key():
 
 def test_generate_with_images_matches_golden_tokens():
     """fd.generate with the image prompts: the golden greedy tokens (prefill + 8 decode steps)."""
+    skip_off_golden_trajectory()
     cfg, params, g = setup()
     P = int(g["prefill_len"])
     prompts = g["input_ids"][:, :P].tolist()
