@@ -79,8 +79,8 @@ def attention_fwd(results, args):
     o = sa._fwd(q, kv, sink, idx, scale)[0]
     results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
                        bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
-    for impl in ("sp", "ws", "lockstep", "seesaw"):
-        for block in ((64,) if impl in ("seesaw", "sp") else (64, 128)):    # sp, seesaw: block 64 only
+    for impl in ("pp", "sp", "ws", "lockstep", "seesaw"):
+        for block in ((64,) if impl in ("seesaw", "sp", "pp") else (64, 128)):    # pp, sp, seesaw: block 64 only
             try:
                 o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
                 results.append(row(f"  _fwd impl={impl} block={block}",
@@ -167,6 +167,21 @@ def attention_diag(results, args):
             results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f, note))
         except Exception as e:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    ip128 = sa._pad_idx(idx, 128)
+    for rnd in range(2):
+        for kind in ("sp", "pp"):
+            try:
+                kf = (pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale) if kind == "pp"
+                      else sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG))
+                ii = ip128 if kind == "pp" else ip64
+                o, lse = kf(q, kv, sink, ii)
+                note = (f"vs sp: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
+                        f"lse {(lse - o_ref[1]).abs().max():.2e}")
+                results.append(row(f"  {kind} (round {rnd + 1})", bench(lambda: kf(q, kv, sink, ii)), fl, by_f, note))
+            except Exception as e:
+                print(f"  {kind}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(2)
     B, M, N = q.shape[0], q.shape[1], kv.shape[1]
     for mult in SLOT_MULTS:
@@ -174,9 +189,10 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp"):
+        for kind in ("ws", "sp", "pp"):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
+                      else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
                       else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:

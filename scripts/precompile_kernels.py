@@ -255,9 +255,12 @@ def attn_bench():
         sa.fwd_kernel_ws(H, D, 640, scale, **ws, diag=diag)
     for kw in bench.SP_DIAG_ROWS:
         sp.fwd_kernel_sp(H, D, 640, scale, **{**sp.FWD_SP_CFG, **kw})
-    for T_ in (640 * m for m in bench.SLOT_MULTS if m > 1):
-        sa.fwd_kernel_ws(H, D, T_, scale, **ws)
-        sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    for T_ in (640 * m for m in bench.SLOT_MULTS):
+        if T_ > 640:
+            sa.fwd_kernel_ws(H, D, T_, scale, **ws)
+            sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
+        pp.fwd_kernel_pp(H, D, T_, scale)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 
 

@@ -175,7 +175,7 @@ FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["sp", "ws", "lockstep", "seesaw"])
+@pytest.mark.parametrize("impl", ["pp", "sp", "ws", "lockstep", "seesaw"])
 @pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_impl(shape, impl, block):
     """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl);
@@ -188,7 +188,7 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["sp", "ws", "lockstep", "seesaw"])
+@pytest.mark.parametrize("impl", ["pp", "sp", "ws", "lockstep", "seesaw"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
     q, kv, sink, _, idx = _release_inputs(1, idx_seed=0)
@@ -243,12 +243,13 @@ def test_sparse_attn_seesaw_grad(monkeypatch):
     _check_grads(q, kv, sink, idx, do, 512 ** -0.5)
 
 
-def test_sparse_attn_fwd_sp_is_default():
-    """The release shape takes the split-softmax kernel by default (sparse_attn_tl.FWD_DEFAULT); shapes it
-    cannot hold fall back to the warp-specialised one (block 128 too) or the lock-step one (H != 64)."""
+def test_sparse_attn_fwd_pp_is_default():
+    """The release shape takes the ping-pong kernel by default (sparse_attn_tl.FWD_DEFAULT); shapes it cannot hold
+    fall back to the split-softmax one, then the warp-specialised one (block 128 too) or the lock-step one."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
-    assert sa.FWD_DEFAULT == "sp" and sp.sp_fits(64, 512, 640) and sa.ws_fits(64, 512)
+    assert sa.FWD_DEFAULT == "pp" and pp.pp_fits(64, 512, 640) and sp.sp_fits(64, 512, 640) and sa.ws_fits(64, 512)
     assert not sp.sp_fits(16, 64, 640) and not sp.sp_fits(64, 512, 64)          # fewer slots than its two stages
     assert not sp.sp_fits(64, 512, 64 * 1024)                                   # the index row over the smem
 
@@ -289,6 +290,43 @@ def test_sparse_attn_fwd_sp_option_errors():
         sp.fwd_kernel_sp(64, 512, 640, 0.1, gather="diag")
     with pytest.raises(ValueError, match="diag"):
         sp.fwd_kernel_sp(64, 512, 640, 0.1, diag="gather")
+
+
+# fwd_kernel_pp (the ping-pong forward) beyond the impl tests: one pair of blocks, many pairs, D = 256 with odd M,
+# and hole patterns that empty a consumer's whole block (its max stays at the previous one) or a whole pair
+PP_SHAPES = [(2, 64, 64, 512, 700, 128), (1, 48, 64, 512, 3000, 1280), (3, 37, 64, 256, 333, 256)]
+
+
+@pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_pp(shape):
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
+    B, M, H, D, N, T = shape
+    q, kv, sink, idx = _attn_inputs(*shape, seed=14)
+    idx[-1, 1, :100] = -1                              # a leading run of holes (max from -1e30)
+    idx[0, 3, 64:128] = -1                             # consumer 1's block of the first pair all holes
+    idx[0, 5, :64] = -1                                # consumer 0's first block all holes
+    if T >= 256:
+        idx[-1, 7, 128:256] = -1                       # a whole pair of holes mid-row
+    scale = D ** -0.5
+    o, lse = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, "pp")
+    for _ in range(3):                                 # repeated launches: the same bits (no race between roles)
+        o2, lse2 = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
+def test_sparse_attn_fwd_pp_option_errors():
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    with pytest.raises(ValueError, match="H must be 64"):
+        pp.fwd_kernel_pp(32, 512, 640, 0.1)
+    with pytest.raises(ValueError, match="multiple of 2\\*BI"):
+        pp.fwd_kernel_pp(64, 512, 576, 0.1)
+    with pytest.raises(ValueError, match="shared memory"):
+        pp.fwd_kernel_pp(64, 512, 16 * 1024, 0.1)
+    with pytest.raises(ValueError, match="504"):
+        pp.fwd_kernel_pp(64, 512, 640, 0.1, nreg=(232, 72))
+    assert pp.pp_fits(64, 512, 640) and not pp.pp_fits(64, 512, 576) and not pp.pp_fits(16, 128, 640)
 
 
 def _grads(impl, q, kv, sink, idx, scale, do):

@@ -12,8 +12,11 @@ P[h, t] = exp2(c * q_h.kv_t - LSE_h) with c = scale * log2(e).
 
 Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
 
-- ``fwd_kernel_sp`` (the default for 64 heads, block 64; ``sparse_attn_sp_tl``): the softmax and the P V
-  product on different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
+- ``fwd_kernel_pp`` (the default for 64 heads, block 64, index slots a multiple of 128; ``sparse_attn_pp_tl``):
+  FlashMLA's ping-pong of two consumer warpgroups with a gathering producer, the release's numerics; 482.8
+  TFLOP/s at the release shape, 2-4% above sp in the same process (run 48).
+- ``fwd_kernel_sp`` (``sparse_attn_sp_tl``; the default before run 48): the softmax and the P V product on
+  different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
 - ``fwd_kernel_ws``, warp-specialised: a producer warpgroup gathers KV blocks into a ring of shared stages
   and two consumer warpgroups split each pair of blocks' QK and the output's D halves (365 TFLOP/s, run 10;
   the fallback for block 128 and shapes sp does not take). Its two consumers meet in lock-step at every pair
@@ -412,7 +415,7 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 # Forward kernel choice (explicit): "ws" = fwd_kernel_ws where ws_fits(H, D), else the lock-step
 # fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
-FWD_DEFAULT = "sp"
+FWD_DEFAULT = "pp"
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
 # impl="seesaw": fwd_kernel_seesaw (H = 64, same shapes as ws_fits); its running max moves once per BI
@@ -430,26 +433,31 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     (64-head multiples only): same math, P rounded against other running maxima (1-2 ulp apart on
     ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape (lock-step kernel).
 
-    impl (default FWD_DEFAULT): "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
+    impl (default FWD_DEFAULT): "pp" runs fwd_kernel_pp (sparse_attn_pp_tl) for block 64 where pp_fits, else
+    falls back as "sp" does; "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
     block BI = 64 is the release's), else falls back as "ws" does; "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
     (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "seesaw" runs
     fwd_kernel_seesaw with FWD_SEESAW_CFG where ws_fits(H, D) (block BI = 64 whatever ``block`` asks:
     the release's recurrence), else fwd_kernel; "lockstep" always runs fwd_kernel."""
     B, M, H, D = q.shape
     impl = impl or FWD_DEFAULT
-    if impl not in ("sp", "ws", "lockstep", "seesaw"):
-        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'sp', 'ws', 'seesaw' or 'lockstep'")
+    if impl not in ("pp", "sp", "ws", "lockstep", "seesaw"):
+        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'pp', 'sp', 'ws', 'seesaw' or 'lockstep'")
     block = 128 if (block == 128 and H % 64 == 0) else 64
     from .sparse_attn_sp_tl import FWD_SP_CFG, fwd_kernel_sp, sp_fits
+    from .sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
     BI = FWD_SP_CFG["BI"]
-    if impl == "sp" and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
+    if impl == "pp" and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
+        idx = _pad_idx(idx, 128)
+        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale))
+    elif impl in ("sp", "pp") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
         idx = _pad_idx(idx, BI)
         k = fwd_kernel_sp(H, D, idx.shape[-1], float(scale), **FWD_SP_CFG)
     elif impl == "seesaw" and ws_fits(H, D):
         from .sparse_attn_seesaw_tl import fwd_kernel_seesaw
         idx = _pad_idx(idx, 2 * FWD_SEESAW_CFG["BI"])
         k = fwd_kernel_seesaw(H, D, idx.shape[-1], float(scale), **FWD_SEESAW_CFG)
-    elif impl in ("ws", "sp") and ws_fits(H, D):
+    elif impl in ("ws", "sp", "pp") and ws_fits(H, D):
         cfg = FWD_WS_CFG[block]
         idx = _pad_idx(idx, 2 * cfg["BI"])
         k = fwd_kernel_ws(H, D, idx.shape[-1], float(scale), **cfg)
