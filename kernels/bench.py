@@ -134,6 +134,8 @@ def attention_fwd(results, args):
 WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
+PP_DIAG_ROWS = (dict(ctas=132), dict(diag="compute"), dict(diag="nosoftmax"), dict(ctas=132, diag="compute"),
+                dict(ctas=132, diag="nosoftmax"))
 
 
 def attention_diag(results, args):
@@ -170,12 +172,23 @@ def attention_diag(results, args):
     # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     ip128 = sa._pad_idx(idx, 128)
+    for kw in PP_DIAG_ROWS:                        # pp's options under trial and its ablations
+        name = f"  pp {json.dumps(kw, separators=(',', ':'))}"
+        try:
+            kf = pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **kw)
+            o, lse = kf(q, kv, sink, ip128)
+            note = "" if kw.get("diag") else (f"vs sp: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
+                                              f"lse {(lse - o_ref[1]).abs().max():.2e}")
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip128)), fl, by_f, note))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     for rnd in range(2):
-        for kind in ("sp", "pp"):
+        for kind in ("sp", "pp", "pp persistent"):
             try:
                 kf = (pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale) if kind == "pp"
+                      else pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, ctas=132) if kind == "pp persistent"
                       else sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG))
-                ii = ip128 if kind == "pp" else ip64
+                ii = ip64 if kind == "sp" else ip128
                 o, lse = kf(q, kv, sink, ii)
                 note = (f"vs sp: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
                         f"lse {(lse - o_ref[1]).abs().max():.2e}")
@@ -189,10 +202,11 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp", "pp"):
+        for kind in ("ws", "sp", "pp", "pp persistent"):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
                       else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
+                      else pp.fwd_kernel_pp(H, D, T_, scale, ctas=132) if kind == "pp persistent"
                       else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:

@@ -416,6 +416,10 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 # fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
 FWD_DEFAULT = "pp"
+# fwd_kernel_pp as a persistent grid of one CTA per SM where there are more queries than SMs (PP_SMS: the H200's
+# count, used when planning on CPU tensors, scripts/precompile_kernels.py)
+FWD_PP_PERSISTENT = True
+PP_SMS = 132
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
 # impl="seesaw": fwd_kernel_seesaw (H = 64, same shapes as ws_fits); its running max moves once per BI
@@ -449,7 +453,9 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     BI = FWD_SP_CFG["BI"]
     if impl == "pp" and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
-        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale))
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
+        ctas = sms if (FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], persistent=True)) else 0
+        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas)
     elif impl in ("sp", "pp") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
         idx = _pad_idx(idx, BI)
         k = fwd_kernel_sp(H, D, idx.shape[-1], float(scale), **FWD_SP_CFG)
