@@ -134,8 +134,7 @@ def attention_fwd(results, args):
 WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
-PP_DIAG_ROWS = (dict(ctas=132), dict(diag="compute"), dict(diag="nosoftmax"), dict(ctas=132, diag="compute"),
-                dict(ctas=132, diag="nosoftmax"))
+PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 
 
 def attention_diag(results, args):
@@ -183,10 +182,9 @@ def attention_diag(results, args):
         except Exception as e:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     for rnd in range(2):
-        for kind in ("sp", "pp", "pp persistent"):
+        for kind in ("sp", "pp"):
             try:
                 kf = (pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale) if kind == "pp"
-                      else pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, ctas=132) if kind == "pp persistent"
                       else sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG))
                 ii = ip64 if kind == "sp" else ip128
                 o, lse = kf(q, kv, sink, ii)
@@ -202,11 +200,10 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp", "pp", "pp persistent"):
+        for kind in ("ws", "sp", "pp"):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
                       else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
-                      else pp.fwd_kernel_pp(H, D, T_, scale, ctas=132) if kind == "pp persistent"
                       else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:

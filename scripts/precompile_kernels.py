@@ -261,8 +261,6 @@ def attn_bench():
             sa.fwd_kernel_ws(H, D, T_, scale, **ws)
             sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
         pp.fwd_kernel_pp(H, D, T_, scale)
-        if pp.pp_fits(H, D, T_, persistent=True):
-            pp.fwd_kernel_pp(H, D, T_, scale, ctas=132)
     for kw in bench.PP_DIAG_ROWS:
         pp.fwd_kernel_pp(H, D, 640, scale, **kw)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with

@@ -13,8 +13,8 @@ P[h, t] = exp2(c * q_h.kv_t - LSE_h) with c = scale * log2(e).
 Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
 
 - ``fwd_kernel_pp`` (the default for 64 heads, block 64, index slots a multiple of 128; ``sparse_attn_pp_tl``):
-  FlashMLA's ping-pong of two consumer warpgroups with a gathering producer, the release's numerics; 482.8
-  TFLOP/s at the release shape, 2-4% above sp in the same process (run 48).
+  FlashMLA's ping-pong of two consumer warpgroups with a gathering producer, the release's numerics; 466-495
+  TFLOP/s at the release shape, 1-6% above sp in the same process (runs 48-52); what limits it, in that file.
 - ``fwd_kernel_sp`` (``sparse_attn_sp_tl``; the default before run 48): the softmax and the P V product on
   different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
 - ``fwd_kernel_ws``, warp-specialised: a producer warpgroup gathers KV blocks into a ring of shared stages
@@ -416,10 +416,6 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 # fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
 FWD_DEFAULT = "pp"
-# fwd_kernel_pp as a persistent grid of one CTA per SM where there are more queries than SMs (PP_SMS: the H200's
-# count, used when planning on CPU tensors, scripts/precompile_kernels.py)
-FWD_PP_PERSISTENT = True
-PP_SMS = 132
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
 # impl="seesaw": fwd_kernel_seesaw (H = 64, same shapes as ws_fits); its running max moves once per BI
@@ -453,9 +449,7 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     BI = FWD_SP_CFG["BI"]
     if impl == "pp" and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
-        ctas = sms if (FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], persistent=True)) else 0
-        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas)
+        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale))
     elif impl in ("sp", "pp") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
         idx = _pad_idx(idx, BI)
         k = fwd_kernel_sp(H, D, idx.shape[-1], float(scale), **FWD_SP_CFG)
