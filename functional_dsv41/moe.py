@@ -28,9 +28,9 @@ from . import invariant
 from .linear import linear, qat_format
 
 
-def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_mask_T: torch.Tensor | None = None):
-    """Router: x [T, D] -> (weights_TK fp32, idx_TK int64) in torch.topk order (descending biased score)."""
-    n_exp, k = cfg.moe_experts(layer_id)
+def route_scores(x_TD: torch.Tensor, gate: dict, *, cfg: Config, image_mask_T: torch.Tensor | None = None):
+    """Router scores: x [T, D] -> (scores_TE fp32, the expert weights' source; choice_TE fp32, what top-k ranks:
+    scores plus the balancing bias, ``bias_vl`` on image tokens)."""
     logits_TE = invariant.linear_rows(x_TD.float(), gate["weight"].float())
     if cfg.gate_temp != 1.0:
         logits_TE = logits_TE / cfg.gate_temp
@@ -47,6 +47,13 @@ def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_m
         if image_mask_T is not None and "bias_vl" in gate:
             bias_TE = torch.where(image_mask_T[:, None], gate["bias_vl"].float(), bias_TE)
         choice_TE = scores_TE + bias_TE
+    return scores_TE, choice_TE
+
+
+def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_mask_T: torch.Tensor | None = None):
+    """Router: x [T, D] -> (weights_TK fp32, idx_TK int64) in torch.topk order (descending biased score)."""
+    n_exp, k = cfg.moe_experts(layer_id)
+    scores_TE, choice_TE = route_scores(x_TD, gate, cfg=cfg, image_mask_T=image_mask_T)
     idx_TK = choice_TE.topk(k, dim=-1).indices
     w_TK = scores_TE.gather(-1, idx_TK)
     if cfg.norm_topk_prob and k > 1:

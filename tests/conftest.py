@@ -101,11 +101,14 @@ FLIP_KEYS = ("gate_idx", "sparse_idx", "topk_idxs")
 MAX_FLIP_ROWS = 0.05            # a flip, not a systematic error: at most this share of a layer's rows differ
 
 
+NEAR_TIE = 5e-3                 # a flipped expert choice's two competing scores closer than this, relatively
+
+
 def golden_divergence(dbg: dict, g: dict, cfg) -> dict | None:
     """The first backbone layer whose discrete choices (experts ``gate_idx``, attended slots ``sparse_idx``, index
     top-k ``topk_idxs``) in an end-to-end prefill (``dbg`` from ``forward(debug=...)``) differ from the golden
-    run's, as {layer, what, rows, of, before} (``before``: the worst cosine diff of ``h`` over the layers before
-    it), or None when every choice matches."""
+    run's, as {layer, what, rows, of, before, mask} (``before``: the worst cosine diff of ``h`` over the layers
+    before it; ``mask``: which rows differ), or None when every choice matches."""
     worst = 0.0
     for L in cfg.layer_ids:
         for key in FLIP_KEYS:
@@ -115,23 +118,61 @@ def golden_divergence(dbg: dict, g: dict, cfg) -> dict | None:
             ours = ours.to(ref.dtype).reshape(ref.shape)
             rows = (ours != ref).reshape(-1, ref.shape[-1]).any(-1)
             if rows.any():
-                return dict(layer=L, what=key, rows=int(rows.sum()), of=rows.numel(), before=worst)
+                return dict(layer=L, what=key, rows=int(rows.sum()), of=rows.numel(), before=worst, mask=rows)
         worst = max(worst, cosine_diff(dbg[f"layer.{L}.h"], g[f"prefill.layer.{L}.h"]))
     return None
 
 
+def expert_gaps(params: dict, cfg, g: dict, L: int):
+    """Per token of the golden prefill, the smallest relative gap between adjacent ranks of the top k + 1 expert
+    choice scores of block L, computed teacher-forced (golden block inputs, blocks 0..L in turn for the shared
+    attention state): a small gap is a near tie, where a last-ulp change of the inputs can swap two experts."""
+    from functional_dsv41 import moe
+    from functional_dsv41.model import block, make_chunk
+    from functional_dsv41.state import SharedAttention
+    ids = g["input_ids"][:, :int(g["prefill_len"])]
+    chunk, shared, seen = make_chunk({"input_ids": ids}, 0, ids.device), SharedAttention(), {}
+    route = moe.route
+
+    def spy(x_TD, gate, *, cfg, layer_id, image_mask_T=None):
+        seen[layer_id] = (x_TD, gate, image_mask_T)
+        return route(x_TD, gate, cfg=cfg, layer_id=layer_id, image_mask_T=image_mask_T)
+    moe.route = spy
+    try:
+        for layer in cfg.layer_ids[:cfg.layer_ids.index(L) + 1]:
+            h, pre = block_input(g, cfg, layer)
+            _, _, _, shared = block(params["layers"][layer], h, pre, cfg=cfg, layer_id=layer, chunk=chunk, cache=None,
+                                    shared=shared)
+    finally:
+        moe.route = route
+    x_TD, gate, image_mask_T = seen[L]
+    _, choice_TE = moe.route_scores(x_TD, gate, cfg=cfg, image_mask_T=image_mask_T)
+    top = choice_TE.topk(cfg.moe_experts(L)[1] + 1, dim=-1).values
+    return ((top[:, :-1] - top[:, 1:]) / top[:, :1].abs().clamp_min(1e-6)).min(-1).values
+
+
 def divergence_report(name: str, div: dict) -> str:
+    gaps = div.get("gaps")
+    tie = "" if gaps is None else (f"; the flipped rows' closest expert scores differ by {gaps['flipped']} (relative), "
+                                   f"a typical row's by {gaps['median']:.1e}")
     return (f"{name}: on this machine the end-to-end prefill first chooses differently from the golden run at layer "
             f"{div['layer']} ({div['what']}: {div['rows']} of {div['of']} rows), every block before it within "
-            f"{div['before']:.1e} cosine diff of the golden; the golden trajectory past that near-tie flip is not "
+            f"{div['before']:.1e} cosine diff of the golden{tie}; the golden trajectory past that near-tie flip is not "
             f"this machine's (teacher-forced blocks are checked separately)")
 
 
-def check_flip(name: str, div: dict, tol: float) -> None:
-    """Assert that a divergence is a near-tie flip: the blocks before it agree within ``tol`` and only a few rows
-    of the layer choose differently."""
+def check_flip(name: str, div: dict, tol: float, params: dict | None = None, cfg=None, g: dict | None = None) -> None:
+    """Assert that a divergence is a near-tie flip: the blocks before it agree within ``tol``, only a few rows of the
+    layer choose differently and, for an expert choice where ``params`` are given, every flipped row's two closest
+    expert scores (teacher-forced) are within NEAR_TIE of each other."""
+    if params is not None and div["what"] == "gate_idx" and "gaps" not in div:
+        gaps = expert_gaps(params, cfg, g, div["layer"])
+        div["gaps"] = dict(flipped=[float(f"{x:.1e}") for x in gaps[div["mask"]].tolist()],
+                           median=float(gaps.median()))
     assert div["before"] < tol, divergence_report(name, div)
     assert div["rows"] <= MAX_FLIP_ROWS * div["of"] + 1, divergence_report(name, div)
+    if "gaps" in div:
+        assert max(div["gaps"]["flipped"]) < NEAR_TIE, divergence_report(name, div)
     print(divergence_report(name, div))
 
 
@@ -149,14 +190,16 @@ def fixture_divergence(name: str):
         P, dbg = int(g["prefill_len"]), {}
         st = fd.init_state(cfg, g["input_ids"].shape[0], cfg.max_seq_len)
         fd.forward(params, {"input_ids": g["input_ids"][:, :P]}, cfg=cfg, state=st, debug=dbg)
-        _DIVERGENCE[name] = golden_divergence(dbg, g, cfg)
+        div = golden_divergence(dbg, g, cfg)
+        if div is not None:
+            check_flip(name, div, 1e-3 if "fp8" in name else 1e-4, params, cfg, g)
+        _DIVERGENCE[name] = div
     return _DIVERGENCE[name]
 
 
-def skip_off_golden_trajectory(name: str, tol: float = 1e-4) -> None:
+def skip_off_golden_trajectory(name: str) -> None:
     """Skip an end-to-end golden comparison (logits, decode steps, generated tokens) when this machine's prefill
     leaves the golden trajectory at a near-tie flip; fail if the divergence is not one."""
-    div = fixture_divergence(name)
+    div = fixture_divergence(name)               # (asserts that a divergence is a near-tie flip)
     if div is not None:
-        check_flip(name, div, tol if "fp8" not in name else 1e-3)
         pytest.skip(divergence_report(name, div))

@@ -54,7 +54,7 @@ def test_prefill_every_block(name):
     worst = 0.0
     for L in cfg.layer_ids:
         if div is not None and L == div["layer"]:      # past a near-tie flip: another trajectory (conftest)
-            check_flip(name, div, cos_tol(cfg))
+            check_flip(name, div, cos_tol(cfg), params, cfg, g)
             break
         for key in ("h", "pre_mix", "attn_out", "ffn_out"):
             c = cosine_diff(dbg[f"layer.{L}.{key}"], g[f"prefill.layer.{L}.{key}"])
