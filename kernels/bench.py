@@ -158,29 +158,26 @@ def attention_diag(results, args):
     # the split-softmax kernel (the default), its gather layouts and its own ablations
     ip64 = sa._pad_idx(idx, sp.FWD_SP_CFG["BI"])
     o_ref = sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG)(q, kv, sink, ip64)
-    for kw in SP_DIAG_ROWS:
-        name = f"  sp {json.dumps(kw, separators=(',', ':'))}"
-        try:
-            kf = sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sp.FWD_SP_CFG, **kw})
-            o, lse = kf(q, kv, sink, ip64)
-            note = "" if kw.get("diag") else (f"vs default: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
-                                              f"lse {(lse - o_ref[1]).abs().max():.2e}")
-            results.append(row(name, bench(lambda: kf(q, kv, sink, ip64)), fl, by_f, note))
-        except Exception as e:
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     ip128 = sa._pad_idx(idx, 128)
-    for kw in PP_DIAG_ROWS:                        # pp's options under trial and its ablations
-        name = f"  pp {json.dumps(kw, separators=(',', ':'))}"
+
+    def option_row(kind, kw, make, ii):
+        """One kernel option's row; outputs (unless a diag ablation) compared with sp's default."""
+        name = f"  {kind} {json.dumps(kw, separators=(',', ':'))}"
         try:
-            kf = pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **kw)
-            o, lse = kf(q, kv, sink, ip128)
+            kf = make(**kw)
+            o, lse = kf(q, kv, sink, ii)
             note = "" if kw.get("diag") else (f"vs sp: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
                                               f"lse {(lse - o_ref[1]).abs().max():.2e}")
-            results.append(row(name, bench(lambda: kf(q, kv, sink, ip128)), fl, by_f, note))
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ii)), fl, by_f, note))
         except Exception as e:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    for kw in SP_DIAG_ROWS:
+        option_row("sp", kw, lambda **o: sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sp.FWD_SP_CFG, **o}), ip64)
+    for kw in PP_DIAG_ROWS:                        # pp's options under trial and its ablations
+        option_row("pp", kw, lambda **o: pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **o), ip128)
+    # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
     for rnd in range(2):
         for kind in ("sp", "pp"):
             try:

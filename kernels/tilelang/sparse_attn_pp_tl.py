@@ -146,14 +146,14 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.wgmma_gemm(p_s[z + b, :, :], kv_s[z + b, :, h * DH:(h + 1) * DH], acc_o)
 
     @T.macro
-    def softmax1(acc_s, m0, m, a, ls, l):
-        """Consumer 1's softmax of S1: m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1)), S1 <- exp2(c S1 - c m1)
-        (fp32), l = l a + rowsum (l was under m0)."""
-        T.copy(m0, m)
+    def softmax(acc_s, m_old, m, a, ls, l):
+        """A consumer's softmax of its block: m = max(m_old, rowmax S), a = exp2(c (m_old - m)), S <- exp2(c S - c m)
+        (fp32, P before its bf16 rounding), l = l a + rowsum (l was under m_old)."""
+        T.copy(m_old, m)
         if SM:
             T.reduce_max(acc_s, m, dim=1, clear=False)
         for h in T.Parallel(H):
-            a[h] = T.exp2((m0[h] - m[h]) * c)
+            a[h] = T.exp2((m_old[h] - m[h]) * c)
         if SM:
             for h, t in T.Parallel(H, BI):
                 acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
@@ -185,18 +185,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.wait_wgmma(0)
         for i in T.serial(NP):
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
-            T.copy(m, m0)                               # m0 = max(m, rowmax S0) ...
-            if SM:
-                T.reduce_max(acc_s, m0, dim=1, clear=False)
-            rescale(acc_o, l, a, m, m0)                 # O_L, l under m0
-            if SM:
-                for h, t in T.Parallel(H, BI):
-                    acc_s[h, t] = T.exp2(acc_s[h, t] * c - m0[h] * c)
-                T.reduce_sum(acc_s, ls, dim=1)
-            else:
-                T.fill(ls, 1)
-            for h in T.Parallel(H):
-                l[h] = l[h] + ls[h]
+            softmax(acc_s, m, m0, a, ls, l)             # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
+            for h, d in T.Parallel(H, DH):              # O_L under m0
+                acc_o[h, d] *= a[h]
             T.barrier_wait(p_free0, (i % 2) ^ 1)       # consumer 1 is done with P0 of pair i - 1
             T.copy(acc_s, p_s[0, :, :])
             T.copy(m0, mx_s[0, :])
@@ -244,7 +235,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             rescale(acc_o, l, a, m, m0)                 # O_R, l under m0
             T.barrier_wait(ready[0 + R], i % 2)
             pv(z, 0, R, acc_o, p_s, kv_s)               # runs under the softmax
-            softmax1(acc_s, m0, m, a, ls, l)            # m = m1, a = exp2(c (m0 - m1))
+            softmax(acc_s, m0, m, a, ls, l)             # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
             T.barrier_wait(p_free1, (i % 2) ^ 1)       # consumer 0 is done with P1 of pair i - 1
             T.copy(acc_s, p_s[1, :, :])
             T.copy(m, mx_s[1, :])
