@@ -55,10 +55,10 @@ def prefill():
 
 def skip_off_golden_trajectory():
     """As conftest.skip_off_golden_trajectory, for the image prefill (cosine bound 1e-3: fp8 paths)."""
-    cfg, _, g = setup()
+    cfg, params, g = setup()
     div = golden_divergence(prefill()[1], g, cfg)
     if div is not None:
-        check_flip("tiny-vl", div, 1e-3)
+        check_flip("tiny-vl", div, 1e-3, params, cfg, g)
         pytest.skip(divergence_report("tiny-vl", div))
 
 
@@ -143,7 +143,7 @@ def test_prefill_vl_every_block():
     worst = 0.0
     for L in cfg.layer_ids:
         if div is not None and L == div["layer"]:      # past a near-tie flip: another trajectory (conftest)
-            check_flip("tiny-vl", div, 1e-3)
+            check_flip("tiny-vl", div, 1e-3, params, cfg, g)
             break
         for key in ("h", "pre_mix", "attn_out", "ffn_out"):
             c = cosine_diff(dbg[f"layer.{L}.{key}"], g[f"prefill.layer.{L}.{key}"])
