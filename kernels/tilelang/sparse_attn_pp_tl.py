@@ -24,7 +24,8 @@ Measured (H200 runs 48-52, release shape, interleaved with sp in one process): 4
 (+7%). So what limits it now is mostly the gathers' latency: with two 64 KB stages (Q takes the rest of the shared
 memory) a stage half is refilled only once its last reader is done, and the next QK waits for that gather. Tried
 and not kept (commit 961eac8 has the code, BENCHMARKS runs 50-52 the figures): the local P V from registers (RS
-WGMMA, no gain), the copies' ``.L2::128B`` prefetch hint (no gain, run 53), a persistent grid (the next query's Q and index row loaded during the current one: 8-12% slower,
+WGMMA, no gain), the copies' ``.L2::128B`` prefetch hint (no gain, run 53), stages gathered and signalled by D quarters so a QK
+starts on a stage's first quarter (no gain, run 55), a persistent grid (the next query's Q and index row loaded during the current one: 8-12% slower,
 as O must then go straight from the accumulators), and gathering the first pair with indices from global memory
 beside the Q load (no gain). Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared
 memory (e.g. a 2-CTA cluster each holding half of D, partial scores exchanged through distributed shared memory).
