@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-_ROWS = 16      # CPU GEMMs run as GEMMs of exactly this many rows (see linear_rows)
+_ROWS = 64      # CPU GEMMs run as GEMMs of exactly this many rows (see linear_rows)
 _VALUES = 64    # elementwise: a multiple of every SIMD width (AVX2 8, AVX-512 16 fp32 lanes)
 
 
@@ -27,7 +27,9 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     machines without AMX; on a Sapphire Rapids (AMX) machine MKL's sgemm also switches kernels between 8 and
     16 rows and between ~100 and ~200 rows at some (K, N) (and K-splits large calls), so a decode step's
     row differed in the last ulp from the same row in a prefill (2026-12-04). Same-shape calls are the
-    invariant that holds on every machine tried."""
+    invariant that holds on every machine tried (16, 32 and 64 rows all did, on 10 (K, N) shapes in fp32 and
+    bf16); 64 rows keep MKL's larger kernels: a tiny training step runs 14% faster than with one unchunked call
+    and 35% faster than in 16-row pieces, and a decode step's one row costs a 64-row GEMM."""
     if x.device.type != "cpu":
         return F.linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
