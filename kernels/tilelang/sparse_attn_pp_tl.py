@@ -18,14 +18,16 @@ cores busy. A producer warpgroup with few registers gathers the KV rows. What ma
   descriptors and spills them);
 - the consumers get 216 registers, the producer 72 (setmaxnreg; 2 * 216 + 72 = 504, the pool of 384 threads).
 
-Measured (H200 runs 48-55, release shape, interleaved with sp in one process): 448-495 TFLOP/s against sp's
-453-474, faster in 18 of 20 pairs of rows, +2.9% on average (-1.5% to +6.9%); 2560 random slots a query (start and
+Measured (H200 runs 48-56, release shape, interleaved with sp in one process): 448-495 TFLOP/s against sp's
+453-474, faster in 22 of 24 pairs of rows, +3.1% on average (-1.5% to +6.9%); 2560 random slots a query (start and
 end amortised): 524-563 vs 512-552. Ablations: without the gathers after the first pair +3-12% (499-540), without
 the softmax +2-7% (491-513). So what limits it now is mostly the gathers' latency: with two 64 KB stages (Q takes the rest of the shared
 memory) a stage half is refilled only once its last reader is done, and the next QK waits for that gather. Tried
 and not kept (commit 961eac8 has the code, BENCHMARKS runs 50-52 the figures): the local P V from registers (RS
 WGMMA, no gain), the copies' ``.L2::128B`` prefetch hint (no gain, run 53), stages gathered and signalled by D quarters so a QK
-starts on a stage's first quarter (no gain, run 55), a persistent grid (the next query's Q and index row loaded during the current one: 8-12% slower,
+starts on a stage's first quarter (no gain, run 55), consumer 1's P0 V0[:, R] issued between its QK halves to fill
+the wait for the stage half it frees last (5% slower, run 56: that P V is worth more under the softmax), a persistent
+grid (the next query's Q and index row loaded during the current one: 8-12% slower,
 as O must then go straight from the accumulators), and gathering the first pair with indices from global memory
 beside the Q load (no gain). Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared
 memory (e.g. a 2-CTA cluster each holding half of D, partial scores exchanged through distributed shared memory).

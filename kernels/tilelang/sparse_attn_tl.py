@@ -14,7 +14,7 @@ Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
 
 - ``fwd_kernel_pp`` (the default for 64 heads, block 64, index slots a multiple of 128; ``sparse_attn_pp_tl``):
   FlashMLA's ping-pong of two consumer warpgroups with a gathering producer, the release's numerics; 448-495
-  TFLOP/s at the release shape, +2.9% over sp on average in the same process (runs 48-55); what limits it, in
+  TFLOP/s at the release shape, +3.1% over sp on average in the same process (runs 48-56); what limits it, in
   that file.
 - ``fwd_kernel_sp`` (``sparse_attn_sp_tl``; the default before run 48): the softmax and the P V product on
   different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
