@@ -14,23 +14,29 @@ cores busy. A producer warpgroup with few registers gathers the KV rows. What ma
   each with its own ready / free mbarrier, so a half is regathered as soon as its last reader is done and the
   QK of a block is issued in two commit groups, left half first;
 - no WGMMA is in flight across the pair loop's back edge, so the loop stays rolled (a rolled loop with an
-  in-flight WGMMA makes ptxas serialise every WGMMA, C7514; unrolled, ptxas hoists the loop-invariant WGMMA
-  descriptors and spills them);
+  in-flight WGMMA makes ptxas serialise every WGMMA, C7514), and every WGMMA operand is offset by a runtime zero
+  read from shared memory each iteration (``zs``), so ptxas cannot hoist the loop-invariant WGMMA descriptors out
+  of the loop and spill them (56 bytes of spill left, against the seesaw's 2.3 KB);
 - the consumers get 216 registers, the producer 72 (setmaxnreg; 2 * 216 + 72 = 504, the pool of 384 threads).
 
 Measured (H200 runs 48-56, release shape, interleaved with sp in one process): 448-495 TFLOP/s against sp's
-453-474, faster in 22 of 24 pairs of rows, +3.1% on average (-1.5% to +6.9%); 2560 random slots a query (start and
-end amortised): 524-563 vs 512-552. Ablations: without the gathers after the first pair +3-12% (499-540), without
-the softmax +2-7% (491-513). So what limits it now is mostly the gathers' latency: with two 64 KB stages (Q takes the rest of the shared
-memory) a stage half is refilled only once its last reader is done, and the next QK waits for that gather. Tried
-and not kept (commit 961eac8 has the code, BENCHMARKS runs 50-52 the figures): the local P V from registers (RS
-WGMMA, no gain), the copies' ``.L2::128B`` prefetch hint (no gain, run 53), stages gathered and signalled by D quarters so a QK
-starts on a stage's first quarter (no gain, run 55), consumer 1's P0 V0[:, R] issued between its QK halves to fill
-the wait for the stage half it frees last (5% slower, run 56: that P V is worth more under the softmax), a persistent
-grid (the next query's Q and index row loaded during the current one: 8-12% slower,
-as O must then go straight from the accumulators), and gathering the first pair with indices from global memory
-beside the Q load (no gain). Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared
-memory (e.g. a 2-CTA cluster each holding half of D, partial scores exchanged through distributed shared memory).
+453-474, faster in 22 of 24 pairs of rows, +3.1% on average (-1.5% to +6.9%); 2560 random slots a query (start
+and end amortised): 524-563 vs 512-552. Ablations: without the gathers after the first pair +3-12% (499-540),
+without the softmax +2-7% (491-513). So what limits it now is mostly the gathers' latency: with two 64 KB stages
+(Q takes the rest of the shared memory) a stage half is refilled only once its last reader is done, and the next
+QK waits for that gather.
+
+Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent grid's code):
+- the local P V from registers (RS WGMMA): no gain;
+- the copies' ``.L2::128B`` prefetch hint: no gain;
+- stages gathered and signalled by D quarters, so a QK starts on a stage's first quarter: no gain;
+- consumer 1's P0 V0[:, R] issued between its QK halves, to fill the wait for the stage half it frees last: 5%
+  slower (that P V is worth more under the softmax);
+- a persistent grid (the next query's Q and index row loaded during the current one): 8-12% slower, as O must
+  then go straight from the accumulators to global memory;
+- gathering the first pair with indices from global memory beside the Q load: no gain.
+Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared memory (e.g. a 2-CTA
+cluster each holding half of D, partial scores exchanged through distributed shared memory).
 """
 import functools
 
@@ -306,8 +312,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.fill(acc_o0, 0)
                 T.fill(l_0, 0)
                 T.fill(m_0, -1e30)
-                consumer0(z0, zs, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free,
-                          bar_p0, bar_p1, p_free0, p_free1)
+                consumer0(z0, zs, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready,
+                          free, bar_p0, bar_p1, p_free0, p_free1)
                 # both sums are under the final max (m1 of the last pair); the exchange also says both consumers
                 # are past their last WGMMA on q_s, which the epilogue reuses for O
                 T.copy(l_0, sum_s[0, :])
