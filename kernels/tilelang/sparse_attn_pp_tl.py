@@ -34,7 +34,8 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
   slower (that P V is worth more under the softmax);
 - a persistent grid (the next query's Q and index row loaded during the current one): 8-12% slower, as O must
   then go straight from the accumulators to global memory;
-- gathering the first pair with indices from global memory beside the Q load: no gain.
+- gathering the first pair with indices from global memory beside the Q load: no gain;
+- consumer 0 freeing stage 0's left half as soon as its P V ends rather than after P1 arrives: no gain (run 57).
 Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared memory (e.g. a 2-CTA
 cluster each holding half of D, partial scores exchanged through distributed shared memory).
 """
