@@ -161,9 +161,14 @@ def attention_diag(results, args):
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     ip128 = sa._pad_idx(idx, 128)
 
-    def option_row(kind, kw, make, ii):
-        """One kernel option's row; outputs (unless a diag ablation) compared with sp's default."""
-        name = f"  {kind} {json.dumps(kw, separators=(',', ':'))}"
+    def sp_kernel(**kw):
+        return sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sp.FWD_SP_CFG, **kw})
+
+    def pp_kernel(**kw):
+        return pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **kw)
+
+    def option_row(name, make, kw, ii):
+        """One kernel's row; its outputs (unless a diag ablation) compared with sp's default."""
         try:
             kf = make(**kw)
             o, lse = kf(q, kv, sink, ii)
@@ -173,23 +178,17 @@ def attention_diag(results, args):
         except Exception as e:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
+    def opts(kw):
+        return json.dumps(kw, separators=(',', ':'))
+
     for kw in SP_DIAG_ROWS:
-        option_row("sp", kw, lambda **o: sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sp.FWD_SP_CFG, **o}), ip64)
+        option_row(f"  sp {opts(kw)}", sp_kernel, kw, ip64)
     for kw in PP_DIAG_ROWS:                        # pp's options under trial and its ablations
-        option_row("pp", kw, lambda **o: pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **o), ip128)
+        option_row(f"  pp {opts(kw)}", pp_kernel, kw, ip128)
     # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
     for rnd in range(2):
-        for kind in ("sp", "pp"):
-            try:
-                kf = (pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale) if kind == "pp"
-                      else sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG))
-                ii = ip64 if kind == "sp" else ip128
-                o, lse = kf(q, kv, sink, ii)
-                note = (f"vs sp: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
-                        f"lse {(lse - o_ref[1]).abs().max():.2e}")
-                results.append(row(f"  {kind} (round {rnd + 1})", bench(lambda: kf(q, kv, sink, ii)), fl, by_f, note))
-            except Exception as e:
-                print(f"  {kind}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        option_row(f"  sp (round {rnd + 1})", sp_kernel, {}, ip64)
+        option_row(f"  pp (round {rnd + 1})", pp_kernel, {}, ip128)
     g = torch.Generator(device="cuda").manual_seed(2)
     B, M, N = q.shape[0], q.shape[1], kv.shape[1]
     for mult in SLOT_MULTS:

@@ -260,6 +260,24 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)
             T.barrier_arrive(free[2 + R])
 
+    @T.macro
+    def consumer(w, z, acc_s, acc_o, m, m0, a, ls, l, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free,
+                 bar_p0, bar_p1, p_free0, p_free1, bar_end, Sink, O, Lse, bi, mi):
+        """Consumer warpgroup w: its pairs (consumer0 / consumer1), the row sums' exchange, its epilogue."""
+        T.set_max_nreg(nreg[0], 1)
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        T.fill(m, -1e30)
+        pairs = consumer0 if w == 0 else consumer1
+        pairs(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0, bar_p1,
+              p_free0, p_free1)
+        # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
+        # their last WGMMA on q_s, which the epilogue reuses for O
+        T.copy(l, sum_s[w, :])
+        T.barrier_arrive(bar_end)
+        T.barrier_wait(bar_end, 0)
+        epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi)
+
     @T.prim_func
     def sparse_attn_fwd_pp(
         Q: T.Tensor([B, M, H, D], BF16),
@@ -309,29 +327,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 zs[0] = 0
             T.sync_threads()
             if tx < 128:
-                T.set_max_nreg(nreg[0], 1)
-                T.fill(acc_o0, 0)
-                T.fill(l_0, 0)
-                T.fill(m_0, -1e30)
-                consumer0(z0, zs, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready,
-                          free, bar_p0, bar_p1, p_free0, p_free1)
-                # both sums are under the final max (m1 of the last pair); the exchange also says both consumers
-                # are past their last WGMMA on q_s, which the epilogue reuses for O
-                T.copy(l_0, sum_s[0, :])
-                T.barrier_arrive(bar_end)
-                T.barrier_wait(bar_end, 0)
-                epilogue(0, l_0, m_0, ls_0, acc_o0, sum_s, q_s, Sink, O, Lse, bi, mi)
+                consumer(0, z0, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, Sink, O, Lse, bi, mi)
             elif tx < 256:
-                T.set_max_nreg(nreg[0], 1)
-                T.fill(acc_o1, 0)
-                T.fill(l_1, 0)
-                T.fill(m_1, -1e30)
-                consumer1(z1, zs, acc_s1, acc_o1, m_1, m0_1, a_1, ls_1, l_1, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready,
-                          free, bar_p0, bar_p1, p_free0, p_free1)
-                T.copy(l_1, sum_s[1, :])
-                T.barrier_arrive(bar_end)
-                T.barrier_wait(bar_end, 0)
-                epilogue(1, l_1, m_1, ls_1, acc_o1, sum_s, q_s, Sink, O, Lse, bi, mi)
+                consumer(1, z1, acc_s1, acc_o1, m_1, m0_1, a_1, ls_1, l_1, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, Sink, O, Lse, bi, mi)
             else:
                 T.set_max_nreg(nreg[1], 0)
                 tp = tx - 256
