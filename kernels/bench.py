@@ -135,6 +135,7 @@ WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
+PP_ROUND_OPTS = ()                              # pp options under trial, in every round beside the default
 
 
 def attention_diag(results, args):
@@ -186,9 +187,11 @@ def attention_diag(results, args):
     for kw in PP_DIAG_ROWS:                        # pp's options under trial and its ablations
         option_row(f"  pp {opts(kw)}", pp_kernel, kw, ip128)
     # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
-    for rnd in range(2):
+    for rnd in range(3):
         option_row(f"  sp (round {rnd + 1})", sp_kernel, {}, ip64)
         option_row(f"  pp (round {rnd + 1})", pp_kernel, {}, ip128)
+        for kw in PP_ROUND_OPTS:
+            option_row(f"  pp {opts(kw)} (round {rnd + 1})", pp_kernel, kw, ip128)
     g = torch.Generator(device="cuda").manual_seed(2)
     B, M, N = q.shape[0], q.shape[1], kv.shape[1]
     for mult in SLOT_MULTS:
@@ -196,14 +199,61 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp", "pp"):
+        for kind in ("ws", "sp", "pp") + tuple(f"pp {opts(kw)}" for kw in PP_ROUND_OPTS):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
                       else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
-                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))
+                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG) if kind == "sp"
+                      else pp.fwd_kernel_pp(H, D, T_, scale, **json.loads(kind[3:])))
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:
                 print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def attention_trace(results, args):
+    """fwd_kernel_pp's timeline at the release shape (``diag="trace"``: clock64 stamps relative to each CTA's start,
+    written into the LSE slots; medians over the CTAs). Per pair i of 64-slot blocks: when consumer 0 had rescaled
+    O_L under m1, issued P1 V1[:, L], had S0 (its softmax's start), published P0, had P1, arrived at the wait for
+    stage 0's next left half and got through it; when consumer 1 got through the waits for stage 1 (its QK issued),
+    had S1, had issued P0 V0[:, R], finished its softmax, and published P1. The kernel's time beside the untraced
+    one's says how much the stamps perturb (5-12%)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D = q.shape[2], q.shape[3]
+    ip = sa._pad_idx(idx, 128)
+    NP = ip.shape[-1] // 128
+    for kw in ({},) + PP_ROUND_OPTS:
+        _trace_one(results, pp, q, kv, sink, ip, NP, scale, fl, by_f, kw)
+
+
+def _trace_one(results, pp, q, kv, sink, ip, NP, scale, fl, by_f, kw):
+    H, D = q.shape[2], q.shape[3]
+    plain = pp.fwd_kernel_pp(H, D, ip.shape[-1], scale, **kw)
+    kt = pp.fwd_kernel_pp(H, D, ip.shape[-1], scale, diag="trace", **kw)
+    name = f"  pp {json.dumps(kw, separators=(',', ':'))}"
+    results.append(row(name, bench(lambda: plain(q, kv, sink, ip)), fl, by_f))
+    results.append(row(name + " diag=trace", bench(lambda: kt(q, kv, sink, ip)), fl, by_f))
+    st = kt(q, kv, sink, ip)[1][0]                     # [M, 64] cycles since the CTA's start
+    med = st.median(0).values.tolist()
+    cols = ("0:rescl", "0:PV1L", "0:S0", "0:P0out", "0:P1in", "0:at0L", "0:thru0L", "1:thru1R", "1:S1", "1:PV0R",
+            "1:smax", "1:P1out")
+    print(f"  pp timeline, cycles since a CTA's start (median of {st.shape[0]} CTAs), pair i; 0: / 1: consumer 0 / 1")
+    print("   i " + "".join(f"{c:>9s}" for c in cols))
+    for i in range(NP):
+        b = 12 * i
+        print(f"  {i:2d} " + "".join(f"{med[b + j]:9.0f}" if i < NP - 1 or j not in (5, 6) else f"{'-':>9s}"
+                                     for j in range(12)))
+    d = st[:, :12 * NP].reshape(-1, NP, 12)
+    dm = lambda j, k: (d[:, :, j] - d[:, :, k]).median().item()             # noqa: E731
+    per = (d[:, 1:, 2] - d[:, :-1, 2]).median().item() if NP > 1 else float("nan")
+    print(f"  medians: a pair {per:.0f}; C0 softmax + P0 out {dm(3, 2):.0f}, P0 out -> P1 in {dm(4, 3):.0f}, "
+          f"P1 in -> O_L rescaled {dm(0, 4):.0f} -> P1 V1[:, L] issued {dm(1, 0):.0f}; C1 S1 -> col 9 {dm(9, 8):.0f}, "
+          f"-> softmax done {dm(10, 9):.0f}, -> P1 out {dm(11, 10):.0f}", flush=True)
+    print(f"  last P V done C0 / C1 {med[60]:.0f} / {med[61]:.0f}; epilogue done {med[62]:.0f} / {med[63]:.0f}; "
+          f"CTA total p10/p50/p90 {st[:, 63].quantile(0.1).item():.0f} / {med[63]:.0f} / "
+          f"{st[:, 63].quantile(0.9).item():.0f}", flush=True)
 
 
 def attention_bwd(results, args):
@@ -499,6 +549,7 @@ SECTIONS = {
     "ceilings": lambda results, args: ceilings(results),
     "attnfwd": attention_fwd,
     "attndiag": attention_diag,
+    "attntrace": attention_trace,
     "attnbwd": attention_bwd,
     "gemm": gemms,
     "gemmdiag": gemm_diag,

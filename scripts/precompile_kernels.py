@@ -261,8 +261,12 @@ def attn_bench():
             sa.fwd_kernel_ws(H, D, T_, scale, **ws)
             sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
         pp.fwd_kernel_pp(H, D, T_, scale)
+        for kw in bench.PP_ROUND_OPTS:
+            pp.fwd_kernel_pp(H, D, T_, scale, **kw)
     for kw in bench.PP_DIAG_ROWS:
         pp.fwd_kernel_pp(H, D, 640, scale, **kw)
+    for kw in ({},) + bench.PP_ROUND_OPTS:             # attntrace
+        pp.fwd_kernel_pp(H, D, 640, scale, diag="trace", **kw)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 
 

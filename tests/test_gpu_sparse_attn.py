@@ -316,6 +316,29 @@ def test_sparse_attn_fwd_pp(shape):
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
+def test_sparse_attn_fwd_pp_trace():
+    """diag="trace" (the bench's attntrace): the same O as the plain kernel, and each consumer's clock64 stamps in the
+    LSE row increase in that consumer's program order (so every slot is written where the bench says it is)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
+    B, M, H, D, N, T = 1, 8, 64, 512, 700, 640
+    q, kv, sink, idx = _attn_inputs(B, M, H, D, N, T, seed=15)
+    scale = D ** -0.5
+    o, _ = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)
+    ot, st = fwd_kernel_pp(H, D, T, scale, diag="trace")(q, kv, sink.float(), idx)
+    assert torch.equal(ot, o)
+    st = st[0].double()                                # [M, 64] cycles since each CTA's start
+    NP = T // 128
+    c0, c1 = [], []
+    for i in range(NP):
+        b = 12 * i
+        c0 += [b + 2, b + 3, b + 4, b + 0, b + 1] + ([b + 5, b + 6] if i < NP - 1 else [])
+        c1 += [b + 7, b + 8, b + 9, b + 10, b + 11]
+    for order in (c0 + [60, 62], c1 + [61, 63]):
+        seq = st[:, order]
+        assert (seq[:, 0] > 0).all() and (seq[:, 1:] > seq[:, :-1]).all(), order
+
+
 def test_sparse_attn_fwd_pp_option_errors():
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     with pytest.raises(ValueError, match="H must be 64"):
@@ -328,6 +351,8 @@ def test_sparse_attn_fwd_pp_option_errors():
         pp.fwd_kernel_pp(64, 512, 640, 0.1, nreg=(232, 72))
     with pytest.raises(ValueError, match="diag"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, diag="gather")
+    with pytest.raises(ValueError, match="trace"):
+        pp.fwd_kernel_pp(64, 512, 1280, 0.1, diag="trace")
     assert pp.pp_fits(64, 512, 640) and not pp.pp_fits(64, 512, 576) and not pp.pp_fits(16, 128, 640)
 
 

@@ -35,7 +35,14 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
 - a persistent grid (the next query's Q and index row loaded during the current one): 8-12% slower, as O must
   then go straight from the accumulators to global memory;
 - gathering the first pair with indices from global memory beside the Q load: no gain;
-- consumer 0 freeing stage 0's left half as soon as its P V ends rather than after P1 arrives: no gain (run 57).
+- consumer 0 freeing stage 0's left half as soon as its P V ends rather than after P1 arrives: no gain (run 57);
+- the next pair's QK queued behind consumer 1's P1 V1[:, R] (so stage 1's right half has a whole QK to refill);
+  consumer 1's softmax before its P0 V0[:, R]; consumer 0 publishing P0 before rescaling O_L and seeding the next
+  block before waiting for P1: each bitwise the same output, none faster beyond the noise (runs 59-62).
+What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles against 4096 of tensor work at the
+WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
+P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
+(e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
 Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared memory (e.g. a 2-CTA
 cluster each holding half of D, partial scores exchanged through distributed shared memory).
 """
@@ -76,7 +83,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     reads them completed (``p_free``). Shared memory: Q + 2 * BI * D * 2 + 2 * 64 * BI * 2 + TP * 4 bytes.
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
-    re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S).
+    re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
+    "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
+    into the LSE row instead of the LSE, 12 a pair (TP <= 640) and 4 at the end; ``kernels.bench --only attntrace``
+    prints their medians as a timeline.
     """
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     if H != 64:
@@ -88,15 +98,26 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if _pp_smem(H, D, TP, BI) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
-    if diag not in ("", "compute", "nosoftmax"):
+    if diag not in ("", "compute", "nosoftmax", "trace"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     SM = diag != "nosoftmax"
+    TR = diag == "trace"
     NI = TP // BI
     NP = NI // 2
+    if TR and NP > 5:
+        raise ValueError("fwd_kernel_pp: diag='trace' keeps 12 stamps a pair in the 64 LSE slots: TP <= 640")
     DH = D // 2
     c = float(scale) * LOG2E
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
     L, R = 0, 1
+
+    @T.macro
+    def stamp(slot, t0s, Lse, bi, mi):
+        """diag="trace": thread 0 of the calling warpgroup writes clock64() - the CTA's start into Lse[bi, mi, slot]
+        (cycles, exact in fp32 below 2^24)."""
+        if TR:
+            if T.get_thread_binding() % 128 == 0:
+                Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
     def epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi):
@@ -108,7 +129,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             acc_o[h, d] /= l[h]
         T.copy(acc_o, q_s[0, :, w * DH:(w + 1) * DH])
         T.copy(q_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
-        if w == 0:
+        if w == 0 and not TR:
             for h in T.Parallel(H):
                 ls[h] = T.log2(l[h]) + m[h] * c
             T.copy(ls, Lse[bi, mi, :])
@@ -184,7 +205,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer0(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0,
-                  bar_p1, p_free0, p_free1):
+                  bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
         T.barrier_wait(bar_q, 0)
         z = zs[0]
         seed(0, acc_s, idx_s)
@@ -195,6 +216,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.wait_wgmma(0)
         for i in T.serial(NP):
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
+            stamp(12 * i + 2, t0s, Lse, bi, mi)
             softmax(acc_s, m, m0, a, ls, l)             # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
             for h, d in T.Parallel(H, DH):              # O_L under m0
                 acc_o[h, d] *= a[h]
@@ -203,18 +225,24 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.copy(m0, mx_s[0, :])
             T.fence_proxy_async()                       # P0: generic stores, read next by WGMMA (async proxy)
             T.barrier_arrive(bar_p0)
+            stamp(12 * i + 3, t0s, Lse, bi, mi)
             pv(z, 0, L, acc_o, p_s, kv_s)
             T.barrier_wait(bar_p1, i % 2)              # P1, m1 of pair i
+            stamp(12 * i + 4, t0s, Lse, bi, mi)
             for h in T.Parallel(H):
                 m[h] = mx_s[1, h]
             T.wait_wgmma(0)                             # P0 V0[:, L] done: stage 0's left half is free
             T.barrier_arrive(free[0 + L])
             rescale(acc_o, l, a, m0, m)                 # O_L, l under m1
+            stamp(12 * i + 0, t0s, Lse, bi, mi)
             T.barrier_wait(ready[2 + L], i % 2)
             pv(z, 1, L, acc_o, p_s, kv_s)
+            stamp(12 * i + 1, t0s, Lse, bi, mi)
             if i < NP - 1:                              # S0 of pair i + 1 (block 2i + 2, stage 0 refilled)
                 seed(2 * i + 2, acc_s, idx_s)
+                stamp(12 * i + 5, t0s, Lse, bi, mi)
                 T.barrier_wait(ready[0 + L], (i + 1) % 2)
+                stamp(12 * i + 6, t0s, Lse, bi, mi)
                 qk_half(z, L, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(1)                         # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
@@ -229,7 +257,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer1(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0,
-                  bar_p1, p_free0, p_free1):
+                  bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
         T.barrier_wait(bar_q, 0)
         for i in T.serial(NP):
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
@@ -237,20 +265,25 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_wait(ready[2 + L], i % 2)
             qk_half(z, L, 1, acc_s, q_s, kv_s)
             T.barrier_wait(ready[2 + R], i % 2)
+            stamp(12 * i + 7, t0s, Lse, bi, mi)
             qk_half(z, R, 1, acc_s, q_s, kv_s)
             T.barrier_wait(bar_p0, i % 2)              # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
             T.wait_wgmma(0)                             # S1 done (O_R must not be touched while it runs)
+            stamp(12 * i + 8, t0s, Lse, bi, mi)
             rescale(acc_o, l, a, m, m0)                 # O_R, l under m0
             T.barrier_wait(ready[0 + R], i % 2)
             pv(z, 0, R, acc_o, p_s, kv_s)               # runs under the softmax
+            stamp(12 * i + 9, t0s, Lse, bi, mi)
             softmax(acc_s, m0, m, a, ls, l)             # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
+            stamp(12 * i + 10, t0s, Lse, bi, mi)
             T.barrier_wait(p_free1, (i % 2) ^ 1)       # consumer 0 is done with P1 of pair i - 1
             T.copy(acc_s, p_s[1, :, :])
             T.copy(m, mx_s[1, :])
             T.fence_proxy_async()
             T.barrier_arrive(bar_p1)
+            stamp(12 * i + 11, t0s, Lse, bi, mi)
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
             T.barrier_arrive(p_free0)
@@ -262,7 +295,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer(w, z, acc_s, acc_o, m, m0, a, ls, l, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free,
-                 bar_p0, bar_p1, p_free0, p_free1, bar_end, Sink, O, Lse, bi, mi):
+                 bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
         """Consumer warpgroup w: its pairs (consumer0 / consumer1), the row sums' exchange, its epilogue."""
         T.set_max_nreg(nreg[0], 1)
         T.fill(acc_o, 0)
@@ -270,13 +303,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.fill(m, -1e30)
         pairs = consumer0 if w == 0 else consumer1
         pairs(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0, bar_p1,
-              p_free0, p_free1)
+              p_free0, p_free1, t0s, Lse, bi, mi)
         # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
         # their last WGMMA on q_s, which the epilogue reuses for O
         T.copy(l, sum_s[w, :])
+        stamp(60 + w, t0s, Lse, bi, mi)                  # trace: the consumer's last P V done
         T.barrier_arrive(bar_end)
         T.barrier_wait(bar_end, 0)
         epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi)
+        stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
 
     @T.prim_func
     def sparse_attn_fwd_pp(
@@ -290,6 +325,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         with T.Kernel(M, B, threads=384) as (mi, bi):
             q_s = T.alloc_shared([1, H, D], BF16)      # [1, ...]: indexed by the runtime zero z (consumers)
             zs = T.alloc_shared([1], I32)
+            t0s = T.alloc_shared([1], "int64")          # diag="trace": the CTA's start (clock64)
             kv_s = T.alloc_shared([2, BI, D], BF16)
             p_s = T.alloc_shared([2, H, BI], BF16)
             idx_s = T.alloc_shared([TP], I32)
@@ -325,13 +361,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             tx = T.get_thread_binding()
             if tx == 0:
                 zs[0] = 0
+                if TR:
+                    t0s[0] = T.call_extern("int64", "clock64")
             T.sync_threads()
             if tx < 128:
                 consumer(0, z0, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
-                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, Sink, O, Lse, bi, mi)
+                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
             elif tx < 256:
                 consumer(1, z1, acc_s1, acc_o1, m_1, m0_1, a_1, ls_1, l_1, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
-                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, Sink, O, Lse, bi, mi)
+                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
             else:
                 T.set_max_nreg(nreg[1], 0)
                 tp = tx - 256
