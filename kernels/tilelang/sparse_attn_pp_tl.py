@@ -43,8 +43,14 @@ What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles ag
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
-Next step: more of the gather in flight, i.e. a third stage, which needs Q out of shared memory (e.g. a 2-CTA
-cluster each holding half of D, partial scores exchanged through distributed shared memory).
+Next step. The chain is serial because one query's blocks are split between two warpgroups, which the output's
+size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
+order (each block's P is rounded under its own running max, each output half takes its two P V products in block
+order with a rescale between). Independent chains per SM would hide it, as FlashAttention-3 does with two query
+tiles: a 2-CTA cluster splitting D (each CTA holds Q[:, half] and the KV stages' halves, partial QK scores exchanged
+through distributed shared memory) leaves each warpgroup 64 x 256 outputs, so the two warpgroups of a CTA could
+each own a different query. Its shared memory (Q halves, stages and score-exchange buffers for two queries) is the
+first thing to fit.
 """
 import functools
 
