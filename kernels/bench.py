@@ -252,7 +252,9 @@ def _trace_one(results, pp, q, kv, sink, ip, NP, scale, fl, by_f, kw):
           f"P1 in -> O_L rescaled {dm(0, 4):.0f} -> P1 V1[:, L] issued {dm(1, 0):.0f}; "
           f"C1 S1 -> P0 V0[:, R] issued {dm(9, 8):.0f}, -> softmax done {dm(10, 9):.0f}, -> P1 out {dm(11, 10):.0f}",
           flush=True)
-    print(f"  last P V done C0 / C1 {med[60]:.0f} / {med[61]:.0f}; epilogue done {med[62]:.0f} / {med[63]:.0f}; "
+    e = 12 * (NP - 1)
+    print(f"  last P V done C0 / C1 {med[60]:.0f} / {med[61]:.0f}; C0's epilogue: O normalised {med[e + 5]:.0f}, "
+          f"in shared memory {med[e + 6]:.0f}; epilogue done {med[62]:.0f} / {med[63]:.0f}; "
           f"CTA total p10/p50/p90 {st[:, 63].quantile(0.1).item():.0f} / {med[63]:.0f} / "
           f"{st[:, 63].quantile(0.9).item():.0f}", flush=True)
 

@@ -334,7 +334,7 @@ def test_sparse_attn_fwd_pp_trace():
         b = 12 * i
         c0 += [b + 2, b + 3, b + 4, b + 0, b + 1] + ([b + 5, b + 6] if i < NP - 1 else [])
         c1 += [b + 7, b + 8, b + 9, b + 10, b + 11]
-    for order in (c0 + [60, 62], c1 + [61, 63]):
+    for order in (c0 + [60, 12 * NP - 7, 12 * NP - 6, 62], c1 + [61, 63]):   # C0's epilogue: last pair's slots
         seq = st[:, order]
         assert (seq[:, 0] > 0).all() and (seq[:, 1:] > seq[:, :-1]).all(), order
 

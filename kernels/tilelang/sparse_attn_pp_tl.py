@@ -38,7 +38,9 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
 - consumer 0 freeing stage 0's left half as soon as its P V ends rather than after P1 arrives: no gain (run 57);
 - the next pair's QK queued behind consumer 1's P1 V1[:, R] (so stage 1's right half has a whole QK to refill);
   consumer 1's softmax before its P0 V0[:, R]; consumer 0 publishing P0 before rescaling O_L and seeding the next
-  block before waiting for P1: each bitwise the same output, none faster beyond the noise (runs 59-62).
+  block before waiting for P1: each bitwise the same output, none faster beyond the noise (runs 59-62);
+- O stored from shared memory by the warpgroups' 16-byte stores instead of one TMA store, so a CTA need not wait
+  for the TMA's reads before it exits: 3-7% slower (run 66).
 What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles against 4096 of tensor work at the
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
@@ -126,15 +128,19 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
-    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi):
+    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi, t0s):
         """Consumer w, after both row sums are in sum_s and every WGMMA on q_s is done: l += the peer's sum + the
         sink exp2(sink log2e - c m); O[:, half w] = acc_o / l through q_s; w == 0 stores LSE = log2(l) + c m."""
         for h in T.Parallel(H):
             l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
         for h, d in T.Parallel(H, DH):
             acc_o[h, d] /= l[h]
+        if w == 0:                                      # trace: the last pair's free consumer-0 slots
+            stamp(12 * (NP - 1) + 5, t0s, Lse, bi, mi)
         T.copy(acc_o, q_s[0, :, w * DH:(w + 1) * DH])
-        T.copy(q_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+        if w == 0:
+            stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+        T.copy(q_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])   # one TMA store (run 66)
         if w == 0 and not TR:
             for h in T.Parallel(H):
                 ls[h] = T.log2(l[h]) + m[h] * c
@@ -316,7 +322,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         stamp(60 + w, t0s, Lse, bi, mi)                  # trace: the consumer's last P V done
         T.barrier_arrive(bar_end)
         T.barrier_wait(bar_end, 0)
-        epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi)
+        epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi, t0s)
         stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
 
     @T.prim_func
