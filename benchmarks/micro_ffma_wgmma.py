@@ -18,6 +18,7 @@ sub-partition per cycle at the SM clock the driver reports). If the mix (mma, ff
 (mma, idle) and (ffma, idle), FFMA issue and the tensor core do not overlap on this machine.
 
     python3 benchmarks/micro_ffma_wgmma.py                # on the GPU
+    python3 benchmarks/micro_ffma_wgmma.py --dtype bf16 --bn 256 96   # the sparse-attention forward's WGMMAs
     DSV41_TL_TARGET='{"kind":"cuda","arch":"sm_90a"}' python3 benchmarks/micro_ffma_wgmma.py --compile-only
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import tilelang.language as T  # noqa: E402
 
 from kernels.tilelang._common import compile_kernel  # noqa: E402
 
-F32, FP8 = "float32", "float8_e4m3fn"
+F32, FP8, BF16 = "float32", "float8_e4m3fn", "bfloat16"
 MMAS_PER_ROUND = 8
 FFMA_W = 96                     # fragment columns of the ffma role: 48 FFMAs a thread per repetition
 
@@ -42,14 +43,16 @@ MIXES = [("mma",), ("mma", "mma"), ("ffma",), ("ffma", "ffma"), ("mma", "ffma"),
 
 
 @functools.lru_cache(maxsize=None)
-def micro_kernel(roles: tuple, rounds: int, reps: int, BN: int = 192):
+def micro_kernel(roles: tuple, rounds: int, reps: int, BN: int = 192, dtype: str = FP8):
     """One CTA per SM (grid = ctas at launch), 128 threads a role. Out [ctas, 64 * roles, BN] sinks every
-    accumulator so that nothing is dead code. ``reps`` must be even (the FFMA chains alternate two fragments)."""
+    accumulator so that nothing is dead code. ``reps`` must be even (the FFMA chains alternate two fragments).
+    ``dtype``: the WGMMA operands, e4m3 (a 32-deep slice is one m64nBNk32) or bf16 (two m64nBNk16)."""
     nw = len(roles)
     threads = 128 * nw
     CT = T.dynamic("CT")
     rr = tuple(roles) + ("idle",) * (3 - nw)
     assert 1 <= nw <= 3 and all(r in ("mma", "ffma", "both", "idle") for r in roles) and reps % 2 == 0
+    PAD_KB = 160 if dtype == FP8 else 100            # beside the operands: more than half the shared memory
 
     @T.macro
     def mma_round(w, a_s, b_s, acc):
@@ -101,13 +104,13 @@ def micro_kernel(roles: tuple, rounds: int, reps: int, BN: int = 192):
     @T.prim_func
     def micro(Out: T.Tensor([CT, 64 * nw, BN], F32), Sc: T.Tensor([FFMA_W // 32], F32)):
         with T.Kernel(CT, threads=threads) as bx:
-            a_s = T.alloc_shared([64 * nw, 128], FP8)
-            b_s = T.alloc_shared([BN, 128], FP8)
-            pad = T.alloc_shared([160 * 1024], "uint8")      # one CTA per SM
+            a_s = T.alloc_shared([64 * nw, 128], dtype)
+            b_s = T.alloc_shared([BN, 128], dtype)
+            pad = T.alloc_shared([PAD_KB * 1024], "uint8")   # one CTA per SM
             for i, j in T.Parallel(64 * nw, 128):
-                a_s[i, j] = T.cast(0.0, FP8)
+                a_s[i, j] = T.cast(0.0, dtype)
             for i, j in T.Parallel(BN, 128):
-                b_s[i, j] = T.cast(0.0, FP8)
+                b_s[i, j] = T.cast(0.0, dtype)
             pad[T.get_thread_binding()] = 0
             T.sync_threads()
             tx = T.get_thread_binding()
@@ -131,13 +134,17 @@ def main(argv=None):
     ap.add_argument("--bn", type=int, nargs="+", default=[192, 96])
     ap.add_argument("--clock-mhz", type=float, default=1965.0,
                     help="SM clock under load for the FFMA rate (run 42: nvidia-smi read 1965 MHz; torch reports idle)")
+    ap.add_argument("--dtype", choices=["e4m3", "bf16"], default="e4m3", help="WGMMA operand type")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args(argv)
     if args.reps < 2 or args.reps % 2:
         ap.error(f"--reps must be even and at least 2 (the FFMA chains alternate two fragments), got {args.reps}")
+    dt = FP8 if args.dtype == "e4m3" else BF16
+    if min(args.bn) < FFMA_W:
+        ap.error(f"--bn must be at least {FFMA_W} (the ffma role's fragment is set up by one WGMMA of that width)")
     for bn in args.bn:
         for mix in MIXES:
-            micro_kernel(mix, args.rounds, args.reps, bn)
+            micro_kernel(mix, args.rounds, args.reps, bn, dt)
     if args.compile_only:
         print(f"compiled {len(MIXES) * len(args.bn)} micro kernels")
         return
@@ -146,12 +153,12 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(dev)
     ctas = props.multi_processor_count
     clock_hz = args.clock_mhz * 1e6
-    print(f"{props.name}, {ctas} SMs, FFMA rate at {args.clock_mhz:.0f} MHz; {args.rounds} rounds, "
-          f"{MMAS_PER_ROUND} WGMMAs or {args.reps} x 48 FFMAs a thread per round")
+    print(f"{props.name}, {ctas} SMs, {args.dtype} WGMMAs, FFMA rate at {args.clock_mhz:.0f} MHz; {args.rounds} "
+          f"rounds, {MMAS_PER_ROUND} 32-deep WGMMA slices or {args.reps} x 48 FFMAs a thread per round")
     print(f"{'BN':>4} {'roles':<22} {'us':>9} {'WGMMA TFLOP/s':>14} {'FFMA/cycle/sub-part.':>21}")
     for bn in args.bn:
         for mix in MIXES:
-            k = micro_kernel(mix, args.rounds, args.reps, bn)
+            k = micro_kernel(mix, args.rounds, args.reps, bn, dt)
             out = torch.zeros(ctas, 64 * len(mix), bn, device=dev)
             sc = torch.tensor([0.5, 1.0, 1.5], device=dev)       # runtime scales: no immediates in the FFMAs
             for _ in range(2):

@@ -45,6 +45,13 @@ What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles ag
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
+What bounds it (run 67): on the H200 FP32-pipe issue and tensor-core execution barely overlap (an independent FFMA
+stream beside bf16 WGMMAs costs 96-100% of their times' sum), so the consumers' FP32 work - ~256 FMULs a thread per
+pair for the two O rescales the release's numerics need, plus the softmax - adds to the ~4600 cycles of WGMMAs a pair
+rather than hiding under them: ~5500-6000 cycles a pair, against ~6000 measured. Fewer FP32 instructions per pair is
+the lever within this schedule (e.g. skipping an O rescale when a warp's row maxima did not move: exact, as the factor
+is then 1.0, but data-dependent).
+
 Next step. The chain is serial because one query's blocks are split between two warpgroups, which the output's
 size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
 order (each block's P is rounded under its own running max, each output half takes its two P V products in block
