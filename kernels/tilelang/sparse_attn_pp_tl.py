@@ -47,8 +47,8 @@ P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
 What bounds it (run 67): on the H200 FP32-pipe issue and tensor-core execution barely overlap (an independent FFMA
 stream beside bf16 WGMMAs costs 96-100% of their times' sum), so the consumers' FP32 work - ~256 FMULs a thread per
-pair for the two O rescales the release's numerics need, plus the softmax - adds to the ~4600 cycles of WGMMAs a pair
-rather than hiding under them: ~5500-6000 cycles a pair, against ~6000 measured. Fewer FP32 instructions per pair is
+pair for the two O rescales the release's numerics need, plus the softmax - adds to the pair's WGMMAs (4096 cycles at
+peak, ~4200-4700 at measured rates) rather than hiding under them: ~5000-5500 cycles a pair, against ~6000-6400. Fewer FP32 instructions per pair is
 the lever within this schedule (e.g. skipping an O rescale when a warp's row maxima did not move: exact, as the factor
 is then 1.0, but data-dependent).
 
