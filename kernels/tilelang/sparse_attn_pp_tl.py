@@ -313,9 +313,18 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_arrive(free[2 + R])
 
     @T.macro
-    def consumer(w, z, acc_s, acc_o, m, m0, a, ls, l, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free,
-                 bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
-        """Consumer warpgroup w: its pairs (consumer0 / consumer1), the row sums' exchange, its epilogue."""
+    def consumer(w, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free, bar_p0, bar_p1, p_free0, p_free1,
+                 bar_end, t0s, Sink, O, Lse, bi, mi):
+        """Consumer warpgroup w: its registers, its pairs (consumer0 / consumer1), the row sums' exchange, its
+        epilogue."""
+        acc_s = T.alloc_fragment([H, BI], F32)
+        acc_o = T.alloc_fragment([H, DH], F32)
+        m = T.alloc_fragment([H], F32)
+        m0 = T.alloc_fragment([H], F32)
+        a = T.alloc_fragment([H], F32)
+        ls = T.alloc_fragment([H], F32)
+        l = T.alloc_fragment([H], F32)
+        z = T.alloc_var(I32)
         T.set_max_nreg(nreg[0], 1)
         T.fill(acc_o, 0)
         T.fill(l, 0)
@@ -351,21 +360,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             mx_s = T.alloc_shared([2, H], F32)
             sum_s = T.alloc_shared([2, H], F32)
 
-            acc_s0 = T.alloc_fragment([H, BI], F32)
-            acc_o0 = T.alloc_fragment([H, DH], F32)
-            m_0 = T.alloc_fragment([H], F32)
-            m0_0 = T.alloc_fragment([H], F32)
-            a_0 = T.alloc_fragment([H], F32)
-            ls_0 = T.alloc_fragment([H], F32)
-            l_0 = T.alloc_fragment([H], F32)
-            acc_s1 = T.alloc_fragment([H, BI], F32)
-            acc_o1 = T.alloc_fragment([H, DH], F32)
-            m_1 = T.alloc_fragment([H], F32)
-            m0_1 = T.alloc_fragment([H], F32)
-            a_1 = T.alloc_fragment([H], F32)
-            ls_1 = T.alloc_fragment([H], F32)
-            l_1 = T.alloc_fragment([H], F32)
-
             bar_q = T.alloc_barrier(arrive_count=128)
             ready = T.alloc_barrier(arrive_count=[128] * 4)
             free = T.alloc_barrier(arrive_count=[128] * 4)
@@ -375,8 +369,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             p_free1 = T.alloc_barrier(arrive_count=128)
             bar_end = T.alloc_barrier(arrive_count=256)
 
-            z0 = T.alloc_var(I32)
-            z1 = T.alloc_var(I32)
             tx = T.get_thread_binding()
             if tx == 0:
                 zs[0] = 0
@@ -384,11 +376,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     t0s[0] = T.call_extern("int64", "clock64")
             T.sync_threads()
             if tx < 128:
-                consumer(0, z0, acc_s0, acc_o0, m_0, m0_0, a_0, ls_0, l_0, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
-                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+                consumer(0, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free, bar_p0, bar_p1, p_free0,
+                         p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
             elif tx < 256:
-                consumer(1, z1, acc_s1, acc_o1, m_1, m0_1, a_1, ls_1, l_1, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
-                         ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+                consumer(1, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free, bar_p0, bar_p1, p_free0,
+                         p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
             else:
                 T.set_max_nreg(nreg[1], 0)
                 tp = tx - 256
