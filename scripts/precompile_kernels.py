@@ -246,26 +246,26 @@ def gpu_tests(pytest_args):
 def attn_bench():
     """The forward kernels of the bench's "attndiag" section at the release shape (T = 640 and the random-slot
     rows at 2x / 4x), and the default forward of "attnfwd"."""
-    from functional_dsv41.kernels import bench
+    from functional_dsv41.kernels import bench_attn as ba
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
     H, D, scale = 64, 512, 512 ** -0.5
     ws = sa.FWD_WS_CFG[64]
-    for diag in bench.WS_DIAGS:
+    for diag in ba.WS_DIAGS:
         sa.fwd_kernel_ws(H, D, 640, scale, **ws, diag=diag)
-    for kw in bench.SP_DIAG_ROWS:
+    for kw in ba.SP_DIAG_ROWS:
         sp.fwd_kernel_sp(H, D, 640, scale, **{**sp.FWD_SP_CFG, **kw})
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
-    for T_ in (640 * m for m in bench.SLOT_MULTS):
+    for T_ in (640 * m for m in ba.SLOT_MULTS):
         if T_ > 640:
             sa.fwd_kernel_ws(H, D, T_, scale, **ws)
             sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
         pp.fwd_kernel_pp(H, D, T_, scale)
-        for kw in bench.PP_ROUND_OPTS:
+        for kw in ba.PP_ROUND_OPTS:
             pp.fwd_kernel_pp(H, D, T_, scale, **kw)
-    for kw in bench.PP_DIAG_ROWS:
+    for kw in ba.PP_DIAG_ROWS:
         pp.fwd_kernel_pp(H, D, 640, scale, **kw)
-    for kw in ({},) + bench.PP_ROUND_OPTS:             # attntrace
+    for kw in ({},) + ba.PP_ROUND_OPTS:             # attntrace
         pp.fwd_kernel_pp(H, D, 640, scale, diag="trace", **kw)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 

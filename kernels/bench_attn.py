@@ -1,0 +1,307 @@
+"""The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attntrace,
+attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s docstring."""
+import json
+
+import torch
+
+from ._bench_common import bench, row
+
+
+def _attn_release_inputs(args):
+    """Release prefill attention operands: B=1, M queries, 64 heads x 512, 128 window + 512 of 2048
+    compressed rows (ratio 2: query i sees (i+1)//2 of them)."""
+    B, M, H, D, n_comp = 1, args.m, 64, 512, 2048
+    N = M + n_comp
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, M, H, D, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(H, device="cuda", generator=g)
+    i = torch.arange(M, device="cuda")[:, None]
+    w = i - 127 + torch.arange(128, device="cuda")[None]
+    w = torch.where(w >= 0, w, -1)
+    vis = ((i + 1) // 2).clamp(max=n_comp)
+    r = torch.rand(M, n_comp, device="cuda", generator=g).masked_fill(torch.arange(n_comp, device="cuda")[None] >= vis, -1)
+    top = r.topk(512, -1)
+    c = torch.where(top.values >= 0, top.indices + M, -1).sort(-1).values
+    idx = torch.cat([w, c], -1).int()[None].contiguous()
+    T = idx.shape[-1]
+    fl = 2 * B * M * H * T * (D + D)
+    by_f = q.numel() * 2 * 2 + B * M * T * (D * 2 + 4)              # q, o, gathered kv rows + indices
+    by_b = q.numel() * 2 * 4 + B * M * T * (D * 2 + D * 4 + 4)      # q, o, do, dq + kv rows read, dkv rows added
+    print(f"-- sparse attention, release prefill: B={B} M={M} H={H} D={D} T={T} N={N}; "
+          f"holes {(idx < 0).float().mean().item():.1%}; FLOPs fwd 2*B*M*H*T*2D = {fl / 1e9:.1f} G, bwd 2.5x", flush=True)
+    return dict(q=q, kv=kv, sink=sink, idx=idx, scale=D ** -0.5, fl=fl, by_f=by_f, by_b=by_b)
+
+
+def attention_fwd(results, args):
+    """Forward at the release shape: the default path (FWD_DEFAULT), both kernels explicitly, then the
+    sweep ``args.attn_fwd_cfgs`` (dicts with ``kernel`` "ws" -> fwd_kernel_ws or "lockstep" -> fwd_kernel,
+    the rest its keyword arguments); each variant also prints its distance to the lock-step output
+    (cosine diff, max abs) so a broken variant shows next to its time."""
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import sparse_attn_seesaw_tl as ss
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D = q.shape[2], q.shape[3]
+    o_ref = sa._fwd(q, kv, sink, idx, scale, impl="lockstep")[0].float()
+
+    def dist(o):
+        o = o.float()
+        cd = 1 - torch.nn.functional.cosine_similarity(o.flatten(), o_ref.flatten(), dim=0).item()
+        return f"vs lock-step: cos diff {cd:.1e}, max abs {(o - o_ref).abs().max().item():.2e}"
+
+    o = sa._fwd(q, kv, sink, idx, scale)[0]
+    results.append(row(f"sparse_attn fwd  tilelang (default {sa.FWD_DEFAULT})",
+                       bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f, dist(o)))
+    for impl in ("pp", "sp", "ws", "lockstep", "seesaw"):
+        for block in ((64,) if impl in ("seesaw", "sp", "pp") else (64, 128)):    # pp, sp, seesaw: block 64 only
+            try:
+                o = sa._fwd(q, kv, sink, idx, scale, block, impl=impl)[0]
+                results.append(row(f"  _fwd impl={impl} block={block}",
+                                   bench(lambda: sa._fwd(q, kv, sink, idx, scale, block, impl=impl)), fl, by_f, dist(o)))
+            except Exception as e:
+                print(f"  _fwd impl={impl} block={block}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    for cfg in args.attn_fwd_cfgs:                 # kernel-configuration sweep
+        cfg = dict(cfg)
+        kind = cfg.pop("kernel", "lockstep")
+        name = f"  {kind} kernel {json.dumps(cfg, separators=(',', ':'))}"
+        try:
+            if kind == "ws":
+                ip = sa._pad_idx(idx, 2 * cfg.get("BI", 32))
+                kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg)
+            else:
+                ip = sa._pad_idx(idx, 128)
+                kf = sa.fwd_kernel(H, D, ip.shape[-1], scale, **cfg)
+            o = kf(q, kv, sink, ip)[0]
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip)), fl, by_f, dist(o)))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # fwd_kernel_seesaw variants (BI / stages / hole mask seeded or applied after QK / pair loop unrolled
+    # or not); the distance printed is to the lock-step kernel (block 64): BI = 32 moves the max per 32
+    # slots, so it is ~1e-7 away by bf16 rounding of P, the others should match to a few outputs
+    seesaw_cfgs = [dict(BI=64, stages=2), dict(BI=32, stages=4), dict(BI=64, stages=2, seed=False),
+                   dict(BI=64, stages=2, unroll=False), dict(BI=64, stages=2, qk_split=4),
+                   dict(BI=32, stages=4, qk_split=4)]
+    for cfg in seesaw_cfgs:
+        name = f"  seesaw kernel {json.dumps(cfg, separators=(',', ':'))}"
+        try:
+            ip = sa._pad_idx(idx, 2 * cfg["BI"])
+            kf = ss.fwd_kernel_seesaw(H, D, ip.shape[-1], scale, **cfg)
+            o = kf(q, kv, sink, ip)[0]
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ip)), fl, by_f, dist(o)))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    results.append(row("sparse_attn fwd  torch reference", bench(lambda: reference.sparse_attn(q, kv, sink, idx, scale), 2, 5),
+                       fl, by_f))
+    kvg = kv[0, idx[0].clamp_min(0).long()]                            # [M, T, D] gathered once
+    mask = (idx[0] >= 0)[:, None, None, :]                             # [M, 1, 1, T]
+    qs = q[0][:, None]                                                 # [M, 1, H, D]: heads as the query axis
+    F = torch.nn.functional
+    results.append(row("peer: SDPA over pre-gathered KV (no sink), fwd",
+                       bench(lambda: F.scaled_dot_product_attention(qs, kvg[:, None], kvg[:, None], attn_mask=mask, scale=scale)),
+                       fl, by_f, "gather excluded; mask -> efficient/math kernel"))
+
+
+# attndiag's rows (also compiled ahead by scripts/precompile_kernels.py attn-bench): fwd_kernel_ws's diag knobs,
+# fwd_kernel_sp's configurations (each compared with the default's output; options under trial go here), and
+# the multiples of 640 random index slots a query
+WS_DIAGS = ("", "compute", "nosoftmax")
+SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
+SLOT_MULTS = (1, 2, 4)
+PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
+PP_ROUND_OPTS = ()                              # pp options under trial, in every round beside the default
+
+
+def attention_diag(results, args):
+    """Where the forward's time goes (release shape): the ablations of fwd_kernel_ws's and fwd_kernel_sp's
+    ``diag`` knobs (the compute alone on stale rows, no softmax), sp's other gather layout, and both kernels
+    over more index slots per query (2x, 4x: how much of a query's time is its fixed start and end). GB/s is
+    the gathered KV rows (plus Q and O) over the time."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D = q.shape[2], q.shape[3]
+    cfg = sa.FWD_WS_CFG[64]
+    ip = sa._pad_idx(idx, 2 * cfg["BI"])
+    for diag in WS_DIAGS:
+        try:
+            kf = sa.fwd_kernel_ws(H, D, ip.shape[-1], scale, **cfg, diag=diag)
+            results.append(row(f"  ws diag={diag or 'none'}", bench(lambda: kf(q, kv, sink, ip)), fl, by_f))
+        except Exception as e:
+            print(f"  ws diag={diag}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # the split-softmax kernel (the default), its gather layouts and its own ablations
+    ip64 = sa._pad_idx(idx, sp.FWD_SP_CFG["BI"])
+    o_ref = sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **sp.FWD_SP_CFG)(q, kv, sink, ip64)
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    ip128 = sa._pad_idx(idx, 128)
+
+    def sp_kernel(**kw):
+        return sp.fwd_kernel_sp(H, D, ip64.shape[-1], scale, **{**sp.FWD_SP_CFG, **kw})
+
+    def pp_kernel(**kw):
+        return pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **kw)
+
+    def option_row(name, make, kw, ii):
+        """One kernel's row; its outputs (unless a diag ablation) compared with sp's default."""
+        try:
+            kf = make(**kw)
+            o, lse = kf(q, kv, sink, ii)
+            note = "" if kw.get("diag") else (f"vs sp: o max abs {(o.float() - o_ref[0].float()).abs().max():.2e}, "
+                                              f"lse {(lse - o_ref[1]).abs().max():.2e}")
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ii)), fl, by_f, note))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    def opts(kw):
+        return json.dumps(kw, separators=(',', ':'))
+
+    for kw in SP_DIAG_ROWS:
+        option_row(f"  sp {opts(kw)}", sp_kernel, kw, ip64)
+    for kw in PP_DIAG_ROWS:                        # pp's options under trial and its ablations
+        option_row(f"  pp {opts(kw)}", pp_kernel, kw, ip128)
+    # the ping-pong forward against sp, interleaved in this process (rows of one call compare; calls vary by ~4%)
+    for rnd in range(3):
+        option_row(f"  sp (round {rnd + 1})", sp_kernel, {}, ip64)
+        option_row(f"  pp (round {rnd + 1})", pp_kernel, {}, ip128)
+        for kw in PP_ROUND_OPTS:
+            option_row(f"  pp {opts(kw)} (round {rnd + 1})", pp_kernel, kw, ip128)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, M, N = q.shape[0], q.shape[1], kv.shape[1]
+    for mult in SLOT_MULTS:
+        T_ = 640 * mult
+        ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
+        f_ = 2 * B * M * H * T_ * 2 * D
+        b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
+        for kind in ("ws", "sp", "pp") + tuple(f"pp {opts(kw)}" for kw in PP_ROUND_OPTS):
+            try:
+                kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
+                      else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
+                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG) if kind == "sp"
+                      else pp.fwd_kernel_pp(H, D, T_, scale, **json.loads(kind[3:])))
+                results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
+            except Exception as e:
+                print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def attention_trace(results, args):
+    """fwd_kernel_pp's timeline at the release shape (``diag="trace"``: clock64 stamps relative to each CTA's start,
+    written into the LSE slots; medians over the CTAs). Per pair i of 64-slot blocks: when consumer 0 had rescaled
+    O_L under m1, issued P1 V1[:, L], had S0 (its softmax's start), published P0, had P1, arrived at the wait for
+    stage 0's next left half and got through it; when consumer 1 got through the waits for stage 1 (its QK issued),
+    had S1, had issued P0 V0[:, R], finished its softmax, and published P1. The kernel's time beside the untraced
+    one's says how much the stamps perturb (5-12%)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    ip = sa._pad_idx(idx, 128)
+    for kw in ({},) + PP_ROUND_OPTS:
+        _trace_one(results, q, kv, sink, ip, scale, fl, by_f, kw)
+
+
+def _trace_one(results, q, kv, sink, ip, scale, fl, by_f, kw):
+    """attention_trace's rows and timeline for pp with options ``kw``."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    H, D, NP = q.shape[2], q.shape[3], ip.shape[-1] // 128
+    plain = pp.fwd_kernel_pp(H, D, ip.shape[-1], scale, **kw)
+    kt = pp.fwd_kernel_pp(H, D, ip.shape[-1], scale, diag="trace", **kw)
+    name = f"  pp {json.dumps(kw, separators=(',', ':'))}"
+    results.append(row(name, bench(lambda: plain(q, kv, sink, ip)), fl, by_f))
+    results.append(row(name + " diag=trace", bench(lambda: kt(q, kv, sink, ip)), fl, by_f))
+    st = kt(q, kv, sink, ip)[1][0]                     # [M, 64] cycles since the CTA's start
+    med = st.median(0).values.tolist()
+    cols = ("0:rescl", "0:PV1L", "0:S0", "0:P0out", "0:P1in", "0:at0L", "0:thru0L", "1:thru1R", "1:S1", "1:PV0R",
+            "1:smax", "1:P1out")
+    print(f"  pp timeline, cycles since a CTA's start (median of {st.shape[0]} CTAs), pair i; 0: / 1: consumer 0 / 1")
+    print("   i " + "".join(f"{c:>9s}" for c in cols))
+    for i in range(NP):
+        b = 12 * i
+        print(f"  {i:2d} " + "".join(f"{med[b + j]:9.0f}" if i < NP - 1 or j not in (5, 6) else f"{'-':>9s}"
+                                     for j in range(12)))
+    d = st[:, :12 * NP].reshape(-1, NP, 12)
+    dm = lambda j, k: (d[:, :, j] - d[:, :, k]).median().item()             # noqa: E731
+    per = (d[:, 1:, 2] - d[:, :-1, 2]).median().item() if NP > 1 else float("nan")
+    print(f"  medians: a pair {per:.0f}; C0 softmax + P0 out {dm(3, 2):.0f}, P0 out -> P1 in {dm(4, 3):.0f}, "
+          f"P1 in -> O_L rescaled {dm(0, 4):.0f} -> P1 V1[:, L] issued {dm(1, 0):.0f}; "
+          f"C1 S1 -> P0 V0[:, R] issued {dm(9, 8):.0f}, -> softmax done {dm(10, 9):.0f}, -> P1 out {dm(11, 10):.0f}",
+          flush=True)
+    e = 12 * (NP - 1)
+    print(f"  last P V done C0 / C1 {med[60]:.0f} / {med[61]:.0f}; C0's epilogue: O normalised {med[e + 5]:.0f}, "
+          f"in shared memory {med[e + 6]:.0f}; epilogue done {med[62]:.0f} / {med[63]:.0f}; "
+          f"CTA total p10/p50/p90 {st[:, 63].quantile(0.1).item():.0f} / {med[63]:.0f} / "
+          f"{st[:, 63].quantile(0.9).item():.0f}", flush=True)
+
+
+def attention_bwd(results, args):
+    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_b = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_b"))
+    B, M, H, D = q.shape
+    T = idx.shape[-1]
+    o, lse = sa._fwd(q, kv, sink, idx, scale)
+    do = torch.randn_like(o)
+    results.append(row("sparse_attn bwd  tilelang (delta+bwd+dsink)",
+                       bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale)), 2.5 * fl, by_b))
+    delta = sb.delta_kernel(H, D)(o.view(B * M, H, D), do.view(B * M, H, D))
+    dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
+    kb = sb.bwd_kernel(H, D, T, scale)
+    results.append(row("  of which the main bwd kernel", bench(lambda: kb(q, kv, do, idx, lse, delta.view(B, M, H), dkv)),
+                       2.5 * fl, by_b))
+    for cfg in args.attn_bwd_cfgs:
+        try:
+            kb2 = sb.bwd_kernel(H, D, T, scale, **cfg)
+            results.append(row(f"  bwd kernel {json.dumps(cfg, separators=(',', ':'))}",
+                               bench(lambda: kb2(q, kv, do, idx, lse, delta.view(B, M, H), dkv)), 2.5 * fl, by_b))
+        except Exception as e:
+            print(f"  bwd kernel {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    del dkv
+    _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, 2.5 * fl, by_b)
+    F = torch.nn.functional
+    kvg = kv[0, idx[0].clamp_min(0).long()]
+    mask = (idx[0] >= 0)[:, None, None, :]
+    qg = q[0][:, None].detach().clone().requires_grad_(True)
+    kg = kvg[:, None].detach().clone().requires_grad_(True)
+    og = F.scaled_dot_product_attention(qg, kg, kg, attn_mask=mask, scale=scale)
+    dog = torch.randn_like(og)
+    results.append(row("peer: SDPA over pre-gathered KV (no sink), bwd",
+                       bench(lambda: torch.autograd.grad(og, (qg, kg), dog, retain_graph=True)), 2.5 * fl, by_b))
+
+
+def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_b, by_b):
+    """Split backward (sparse_attn_bwd_tl): end to end (delta + dq kernel + zeroing + dkv kernel +
+    dsink + casts) per configuration, then its two kernels alone for each configuration."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    B, M, H, D = q.shape
+    T = idx.shape[-1]
+    by_pds = 2 * 2 * B * M * H * T * 2                                # P, dS bf16 written and read back
+    for cfg in args.attn_bwd_split_cfgs:
+        tag = json.dumps(cfg, separators=(',', ':'))
+        try:
+            k = dict(sb.DEFAULT_CFG, **cfg)
+            results.append(row(f"sparse_attn bwd  split {tag}",
+                               bench(lambda: sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg)), fl_b, by_b + by_pds))
+            parts = {}
+            sb.bwd_split(q, kv, sink, idx, o, lse, do, scale, cfg, parts)
+            delta = parts["delta"]
+            dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
+            kq = sb.dq_kernel(H, D, T, float(scale), BI=k["BI"], stages=k["dq_stages"], threads=k["dq_threads"])
+            results.append(row("  of which the dq kernel (writes P, dS)",
+                               bench(lambda: kq(q, kv, do, idx, lse, delta)), 0.6 * fl_b, None, "3 of 5 GEMMs"))
+            kk = sb.dkv_kernel(H, D, T, BI=k["dkv_BI"], DC=min(k["DC"], D), stages=k["dkv_stages"],
+                               threads=k["dkv_threads"], ws=k["dkv_ws"], pad=k["dkv_pad"])
+            results.append(row("  of which the dkv kernel (atomics x4)",
+                               bench(lambda: kk(q, do, idx, parts["p"], parts["ds"], dkv)), 0.4 * fl_b, None,
+                               "2 of 5 GEMMs; accumulates into dkv across reps"))
+            del parts, dkv
+        except Exception as e:
+            print(f"  split bwd {cfg}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+    # the same end to end through the autograd dispatch (BWD_IMPL switch)
+    try:
+        results.append(row("sparse_attn bwd  _bwd(bwd_impl='split') default cfg",
+                           bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale, bwd_impl="split")), fl_b, by_b))
+    except Exception as e:
+        print(f"  _bwd split: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
