@@ -110,7 +110,8 @@ WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
-PP_ROUND_OPTS = ()                              # pp options under trial, in every round beside the default
+PP_ROUND_OPTS = (dict(ctas=132), dict(lazy=8.0), dict(ctas=132, lazy=8.0))   # pp options under trial, in every round
+#                                                                              beside the default (132: the H200's SMs)
 
 
 def attention_diag(results, args):
@@ -174,7 +175,8 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp", "pp") + tuple(f"pp {opts(kw)}" for kw in PP_ROUND_OPTS):
+        for kind in ("ws", "sp", "pp") + tuple(f"pp {opts(kw)}" for kw in PP_ROUND_OPTS
+                                               if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0))):
             try:
                 kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
                       else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
@@ -191,7 +193,8 @@ def attention_trace(results, args):
     O_L under m1, issued P1 V1[:, L], had S0 (its softmax's start), published P0, had P1, arrived at the wait for
     stage 0's next left half and got through it; when consumer 1 got through the waits for stage 1 (its QK issued),
     had S1, had issued P0 V0[:, R], finished its softmax, and published P1. The kernel's time beside the untraced
-    one's says how much the stamps perturb (5-12%)."""
+    one's says how much the stamps perturb (5-12%). Persistent options (``ctas``): times from the end of the CTA's
+    previous query (consumer 0's epilogue), over the queries after each CTA's first."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     a = _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
@@ -210,10 +213,17 @@ def _trace_one(results, q, kv, sink, ip, scale, fl, by_f, kw):
     results.append(row(name, bench(lambda: plain(q, kv, sink, ip)), fl, by_f))
     results.append(row(name + " diag=trace", bench(lambda: kt(q, kv, sink, ip)), fl, by_f))
     st = kt(q, kv, sink, ip)[1][0]                     # [M, 64] cycles since the CTA's start
+    G = kw.get("ctas", 0)
+    if G:                                              # persistent: each query from its CTA's previous query's end
+        period = (st[G:, 62] - st[:-G, 62]).median().item()
+        st = st[G:] - st[:-G, 62:63]
+        since = f"since the CTA's previous query's C0 epilogue ended (median of {st.shape[0]} queries; a query {period:.0f})"
+    else:
+        since = f"since a CTA's start (median of {st.shape[0]} CTAs)"
     med = st.median(0).values.tolist()
     cols = ("0:rescl", "0:PV1L", "0:S0", "0:P0out", "0:P1in", "0:at0L", "0:thru0L", "1:thru1R", "1:S1", "1:PV0R",
             "1:smax", "1:P1out")
-    print(f"  pp timeline, cycles since a CTA's start (median of {st.shape[0]} CTAs), pair i; 0: / 1: consumer 0 / 1")
+    print(f"  pp timeline, cycles {since}, pair i; 0: / 1: consumer 0 / 1")
     print("   i " + "".join(f"{c:>9s}" for c in cols))
     for i in range(NP):
         b = 12 * i

@@ -32,8 +32,8 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
 - stages gathered and signalled by D quarters, so a QK starts on a stage's first quarter: no gain;
 - consumer 1's P0 V0[:, R] issued between its QK halves, to fill the wait for the stage half it frees last: 5%
   slower (that P V is worth more under the softmax);
-- a persistent grid (the next query's Q and index row loaded during the current one): 8-12% slower, as O must
-  then go straight from the accumulators to global memory;
+- a persistent grid that kept Q's buffer for the next Q and stored O straight from the accumulators: 8-12% slower
+  (run 51; ``ctas`` below stages O in a KV stage instead, and is faster);
 - gathering the first pair with indices from global memory beside the Q load: no gain;
 - consumer 0 freeing stage 0's left half as soon as its P V ends rather than after P1 arrives: no gain (run 57);
 - the next pair's QK queued behind consumer 1's P1 V1[:, R] (so stage 1's right half has a whole QK to refill);
@@ -52,6 +52,11 @@ peak, ~4200-4700 at measured rates) rather than hiding under them: ~5000-5500 cy
 the lever within this schedule (e.g. skipping an O rescale when a warp's row maxima did not move: exact, as the factor
 is then 1.0, but data-dependent).
 
+Persistent grid (``ctas``, run 68; the default through ``sparse_attn_tl._fwd`` where there are more queries than
+SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its neighbours'
+pairs instead of idling the SM: +4-7% (485-502 against 453-482 TFLOP/s in the same process), the same bits. With
+``lazy`` (FlashAttention-4's conditional rescale, not the release's bits) on top: 513-527.
+
 Next step. The chain is serial because one query's blocks are split between two warpgroups, which the output's
 size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
 order (each block's P is rounded under its own running max, each output half takes its two P V products in block
@@ -69,13 +74,14 @@ from ._common import LOG2E, check_nreg, compile_kernel
 from .sparse_attn_tl import BF16, F32, I32
 
 
-def _pp_smem(H: int, D: int, TP: int, BI: int) -> int:
-    """fwd_kernel_pp's shared memory in bytes: Q, two KV stages, P of both blocks of a pair, the index row."""
-    return (H + 2 * BI) * D * 2 + 2 * H * BI * 2 + TP * 4 + 4 * H * 4
+def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1) -> int:
+    """fwd_kernel_pp's shared memory in bytes: Q, two KV stages, P of both blocks of a pair, the index row(s)."""
+    return (H + 2 * BI) * D * 2 + 2 * H * BI * 2 + rows * TP * 4 + 4 * H * 4
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (216, 72), diag: str = ""):
+def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (216, 72), diag: str = "",
+                  ctas: int = 0, lazy: float = 0.0):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -97,11 +103,26 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     LSE = log2(l) + c m as the other forwards. P0 / P1 are rewritten only after the other consumer's P V that
     reads them completed (``p_free``). Shared memory: Q + 2 * BI * D * 2 + 2 * 64 * BI * 2 + TP * 4 bytes.
 
+    ``ctas`` (0: one CTA a query): a persistent grid of that many CTAs (the SM count; one CTA fits an SM), CTA c
+    taking queries c, c + ctas, ...; every per-pair barrier's phase runs on over its queries (gp = k NP + i). The
+    producer loads the next query's index row (a second buffer) as soon as it has issued the current query's gathers,
+    its Q once both consumers are past their last QK (``q_free``), and gathers its first blocks as the stages free
+    up; O is staged in stage 1 (each consumer's half is free once its own last P V is done), whose halves the
+    epilogue frees once the TMA store has read them. So a query's start and end overlap its neighbours' pairs instead
+    of costing each CTA ~25% of its time (run 65: ~4000 cycles before the first QK, ~3200 after the last P V, of
+    ~41000). Same arithmetic, same bits.
+
+    ``lazy`` (0: the release's numerics): tau > 0 keeps a warp's running maxima until one of its 16 rows would move by
+    more than tau (log2 units), and skips the O rescale of a warp whose factors are all exactly 1, as FlashAttention-4
+    does: P <= 2^tau is rounded to bf16 under the stale max, the sums and O under the same one, so the result is the
+    same softmax to rounding (bits differ from the release's, within DESIGN's tolerances), with most of the ~256
+    FMULs a thread spends on O rescales per pair gone.
+
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
-    into the LSE row instead of the LSE, 12 a pair (TP <= 640) and 4 at the end; ``kernels.bench --only attntrace``
-    prints their medians as a timeline.
+    into the LSE row instead of the LSE, 12 a pair (TP <= 640) and 4 at the end (persistent: into each query's row,
+    still from the CTA's start); ``kernels.bench --only attntrace`` prints their medians as a timeline.
     """
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     if H != 64:
@@ -110,11 +131,19 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: D must be a multiple of 128, <= 512")
     if TP % (2 * BI) or BI % 16 or BI > 64:
         raise ValueError("fwd_kernel_pp: TP a multiple of 2*BI, BI a multiple of 16 up to 64")
-    if _pp_smem(H, D, TP, BI) > 227 * 1024 - 2048:
+    if _pp_smem(H, D, TP, BI, 2 if ctas else 1) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
     if diag not in ("", "compute", "nosoftmax", "trace"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
+    if not isinstance(ctas, int) or ctas < 0:
+        raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
+    if not 0 <= lazy <= 16:
+        raise ValueError(f"fwd_kernel_pp: lazy must be in [0, 16] (log2 units; P <= 2^lazy in bf16), got {lazy!r}")
+    P = ctas > 0
+    G = ctas
+    NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
+    LZ = lazy > 0
     SM = diag != "nosoftmax"
     TR = diag == "trace"
     NI = TP // BI
@@ -135,30 +164,42 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
-    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi, t0s):
+    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, free, Sink, O, Lse, bi, mi, t0s):
         """Consumer w, after both row sums are in sum_s and every WGMMA on q_s is done: l += the peer's sum + the
-        sink exp2(sink log2e - c m); O[:, half w] = acc_o / l through q_s; w == 0 stores LSE = log2(l) + c m."""
+        sink exp2(sink log2e - c m); O[:, half w] = acc_o / l through shared memory and one TMA store; w == 0 stores
+        LSE = log2(l) + c m. O goes through q_s (one CTA a query) or, persistent (q_s may hold the next query's Q
+        already), through stage 1's half w - its last readers were this consumer's own P1 V1[:, half w] and
+        consumer 1's QK of the last pair - which is freed for the next query's gather once the store has read it."""
         for h in T.Parallel(H):
             l[h] = l[h] + sum_s[1 - w, h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
         for h, d in T.Parallel(H, DH):
             acc_o[h, d] /= l[h]
         if w == 0:                                      # trace: the last pair's free consumer-0 slots
             stamp(12 * (NP - 1) + 5, t0s, Lse, bi, mi)
-        T.copy(acc_o, q_s[0, :, w * DH:(w + 1) * DH])
-        if w == 0:
-            stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
-        T.copy(q_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])   # one TMA store (run 66)
+        if P:
+            T.copy(acc_o, kv_s[1, :, w * DH:(w + 1) * DH])
+            if w == 0:
+                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+            T.copy(kv_s[1, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+            T.sync_threads(3 + w, 128)                  # the store's reads are done (its issuing thread waited)
+            T.barrier_arrive(free[2 + w])
+        else:
+            T.copy(acc_o, q_s[0, :, w * DH:(w + 1) * DH])
+            if w == 0:
+                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+            T.copy(q_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])   # one TMA store (run 66)
         if w == 0 and not TR:
             for h in T.Parallel(H):
                 ls[h] = T.log2(l[h]) + m[h] * c
             T.copy(ls, Lse[bi, mi, :])
 
     @T.macro
-    def gather_half(tp, j, s, h, kv_s, idx_s, src, KV, bi):
-        """Block j's BI rows, columns of half h, into stage s (thread tp of 128: 8 threads a row, 16 rows a pass).
-        The rows' indices are read first (TileLang fences shared reads after cp.async writes once, not per row)."""
+    def gather_half(tp, j, s, h, kv_s, idx_s, ib, src, KV, bi):
+        """Block j's BI rows (index row ib), columns of half h, into stage s (thread tp of 128: 8 threads a row,
+        16 rows a pass). The rows' indices are read first (TileLang fences shared reads after cp.async writes once,
+        not per row)."""
         for r in T.unroll(BI // 16):
-            src[r] = idx_s[j * BI + r * 16 + tp // 8]
+            src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
         for r in T.unroll(BI // 16):
             row = r * 16 + tp // 8
             for u in T.unroll(CPH):             # a hole (-1) fails the copy's bounds check: zero-filled, not read
@@ -167,24 +208,26 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                                T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
 
     @T.macro
-    def load_row_q(tp, idx_s, q_s, Idx, Q, bar_q, bi, mi):
-        """The query's index row (16 bytes a copy) and Q (8 threads a row, 16 rows a pass) into shared memory;
-        ``bar_q`` completes when they (and the thread's earlier copies) have landed."""
+    def load_row(tp, bi, mi, ib, idx_s, Idx):
+        """Query (bi, mi)'s index row into idx_s[ib] (16 bytes a copy)."""
         for r in T.serial((TP // 4 + 127) // 128):
             if r * 128 + tp < TP // 4:
-                T.ptx_cp_async(T.access_ptr(idx_s[(r * 128 + tp) * 4], "w", 4),
+                T.ptx_cp_async(T.access_ptr(idx_s[ib, (r * 128 + tp) * 4], "w", 4),
                                T.access_ptr(Idx[bi, mi, (r * 128 + tp) * 4], "r", 4), 4)
+
+    @T.macro
+    def load_q(tp, bi, mi, q_s, Q):
+        """Query (bi, mi)'s Q [H, D] into q_s (8 threads a row, 16 rows a pass)."""
         for r in T.unroll(H // 16):
             for u in T.unroll(D // 64):
                 T.ptx_cp_async(T.access_ptr(q_s[0, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
                                T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
-        T.cp_async_barrier_noinc(bar_q)
 
     @T.macro
-    def seed(j, acc_s, idx_s):
+    def seed(j, acc_s, idx_s, ib):
         """The QK accumulator's seed for block j: 0 at a slot, -inf at a hole."""
         for h, t in T.Parallel(H, BI):
-            acc_s[h, t] = T.if_then_else(idx_s[j * BI + t] >= 0, 0, -T.infinity(F32))
+            acc_s[h, t] = T.if_then_else(idx_s[ib, j * BI + t] >= 0, 0, -T.infinity(F32))
 
     @T.macro
     def qk_half(z, h, s, acc_s, q_s, kv_s):
@@ -196,14 +239,44 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.wgmma_gemm(p_s[z + b, :, :], kv_s[z + b, :, h * DH:(h + 1) * DH], acc_o)
 
     @T.macro
-    def softmax(acc_s, m_old, m, a, ls, l):
+    def scale_o(acc_o, a, vote):
+        """O half *= a per row. lazy: skipped when no row of the warp has a != 1 (a warp-uniform branch: the factors
+        are then all exactly 1, so skipping changes no bit)."""
+        if LZ:
+            vote[0] = 0
+            for h in T.Parallel(H):
+                vote[0] = vote[0] | T.if_then_else(a[h] != 1.0, 1, 0)
+            if T.any_sync(vote[0]) != 0:
+                for h, d in T.Parallel(H, DH):
+                    acc_o[h, d] *= a[h]
+        else:
+            for h, d in T.Parallel(H, DH):
+                acc_o[h, d] *= a[h]
+
+    @T.macro
+    def factor(a, m_from, m_to):
+        """a = exp2(c (m_from - m_to)); lazy: exactly 1 where the max did not move."""
+        for h in T.Parallel(H):
+            if LZ:
+                a[h] = T.if_then_else(m_from[h] == m_to[h], 1.0, T.exp2((m_from[h] - m_to[h]) * c))
+            else:
+                a[h] = T.exp2((m_from[h] - m_to[h]) * c)
+
+    @T.macro
+    def softmax(acc_s, m_old, m, a, ls, l, vote):
         """A consumer's softmax of its block: m = max(m_old, rowmax S), a = exp2(c (m_old - m)), S <- exp2(c S - c m)
-        (fp32, P before its bf16 rounding), l = l a + rowsum (l was under m_old)."""
+        (fp32, P before its bf16 rounding), l = l a + rowsum (l was under m_old). lazy (tau = ``lazy``): a warp keeps
+        m = m_old for all its rows unless one of them would move by more than tau in log2 units (P <= 2^tau)."""
         T.copy(m_old, m)
         if SM:
             T.reduce_max(acc_s, m, dim=1, clear=False)
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m_old[h] - m[h]) * c)
+        if LZ:
+            vote[0] = 0
+            for h in T.Parallel(H):
+                vote[0] = vote[0] | T.if_then_else((m[h] - m_old[h]) * c > lazy, 1, 0)
+            if T.any_sync(vote[0]) == 0:
+                T.copy(m_old, m)
+        factor(a, m_old, m)
         if SM:
             for h, t in T.Parallel(H, BI):
                 acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
@@ -214,90 +287,102 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             l[h] = l[h] * a[h] + ls[h]
 
     @T.macro
-    def rescale(acc_o, l, a, m_from, m_to):
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m_from[h] - m_to[h]) * c)
+    def rescale(acc_o, l, a, m_from, m_to, vote):
+        factor(a, m_from, m_to)
         for h in T.Parallel(H):
             l[h] = l[h] * a[h]
-        for h, d in T.Parallel(H, DH):
-            acc_o[h, d] *= a[h]
+        scale_o(acc_o, a, vote)
 
     @T.macro
-    def consumer0(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0,
-                  bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
-        T.barrier_wait(bar_q, 0)
+    def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
+        """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
+        ib = k % NB
+        T.barrier_wait(bar_q, k % 2)
         z = zs[0]
-        seed(0, acc_s, idx_s)
-        T.barrier_wait(ready[0 + L], 0)
+        seed(0, acc_s, idx_s, ib)
+        T.barrier_wait(ready[0 + L], (k * NP) % 2)
         qk_half(z, L, 0, acc_s, q_s, kv_s)
-        T.barrier_wait(ready[0 + R], 0)
+        T.barrier_wait(ready[0 + R], (k * NP) % 2)
         qk_half(z, R, 0, acc_s, q_s, kv_s)
         T.wait_wgmma(0)
+        if P and NP == 1:
+            T.barrier_arrive(q_free)                    # my last QK of this query is done
         for i in T.serial(NP):
+            gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
             stamp(12 * i + 2, t0s, Lse, bi, mi)
-            softmax(acc_s, m, m0, a, ls, l)             # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
-            for h, d in T.Parallel(H, DH):              # O_L under m0
-                acc_o[h, d] *= a[h]
-            T.barrier_wait(p_free0, (i % 2) ^ 1)       # consumer 1 is done with P0 of pair i - 1
+            softmax(acc_s, m, m0, a, ls, l, vote)       # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
+            scale_o(acc_o, a, vote)                     # O_L under m0
+            T.barrier_wait(p_free0, (gp % 2) ^ 1)      # consumer 1 is done with P0 of the pair before
             T.copy(acc_s, p_s[0, :, :])
             T.copy(m0, mx_s[0, :])
             T.fence_proxy_async()                       # P0: generic stores, read next by WGMMA (async proxy)
             T.barrier_arrive(bar_p0)
             stamp(12 * i + 3, t0s, Lse, bi, mi)
             pv(z, 0, L, acc_o, p_s, kv_s)
-            T.barrier_wait(bar_p1, i % 2)              # P1, m1 of pair i
+            T.barrier_wait(bar_p1, gp % 2)             # P1, m1 of pair i
             stamp(12 * i + 4, t0s, Lse, bi, mi)
             for h in T.Parallel(H):
                 m[h] = mx_s[1, h]
             T.wait_wgmma(0)                             # P0 V0[:, L] done: stage 0's left half is free
             T.barrier_arrive(free[0 + L])
-            rescale(acc_o, l, a, m0, m)                 # O_L, l under m1
+            rescale(acc_o, l, a, m0, m, vote)           # O_L, l under m1
             stamp(12 * i + 0, t0s, Lse, bi, mi)
-            T.barrier_wait(ready[2 + L], i % 2)
+            T.barrier_wait(ready[2 + L], gp % 2)
             pv(z, 1, L, acc_o, p_s, kv_s)
             stamp(12 * i + 1, t0s, Lse, bi, mi)
             if i < NP - 1:                              # S0 of pair i + 1 (block 2i + 2, stage 0 refilled)
-                seed(2 * i + 2, acc_s, idx_s)
+                seed(2 * i + 2, acc_s, idx_s, ib)
                 stamp(12 * i + 5, t0s, Lse, bi, mi)
-                T.barrier_wait(ready[0 + L], (i + 1) % 2)
+                T.barrier_wait(ready[0 + L], (gp + 1) % 2)
                 stamp(12 * i + 6, t0s, Lse, bi, mi)
                 qk_half(z, L, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(1)                         # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
                 T.barrier_arrive(p_free1)
-                T.barrier_wait(ready[0 + R], (i + 1) % 2)
+                T.barrier_wait(ready[0 + R], (gp + 1) % 2)
                 qk_half(z, R, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(0)
+                if P:
+                    if i == NP - 2:
+                        T.barrier_arrive(q_free)        # my last QK of this query is done
             else:
                 T.wait_wgmma(0)
-                T.barrier_arrive(free[2 + L])
+                if not P:                               # persistent: the epilogue frees it (O is staged there)
+                    T.barrier_arrive(free[2 + L])
                 T.barrier_arrive(p_free1)
 
     @T.macro
-    def consumer1(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0,
-                  bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
-        T.barrier_wait(bar_q, 0)
+    def consumer1(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
+        """Consumer 1's pairs of the CTA's k-th query."""
+        ib = k % NB
+        T.barrier_wait(bar_q, k % 2)
         for i in T.serial(NP):
+            gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
-            seed(2 * i + 1, acc_s, idx_s)
-            T.barrier_wait(ready[2 + L], i % 2)
+            seed(2 * i + 1, acc_s, idx_s, ib)
+            T.barrier_wait(ready[2 + L], gp % 2)
             qk_half(z, L, 1, acc_s, q_s, kv_s)
-            T.barrier_wait(ready[2 + R], i % 2)
+            T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
             qk_half(z, R, 1, acc_s, q_s, kv_s)
-            T.barrier_wait(bar_p0, i % 2)              # P0, m0 of pair i
+            T.barrier_wait(bar_p0, gp % 2)             # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
             T.wait_wgmma(0)                             # S1 done (O_R must not be touched while it runs)
+            if P:
+                if i == NP - 1:
+                    T.barrier_arrive(q_free)            # my last QK of this query is done
             stamp(12 * i + 8, t0s, Lse, bi, mi)
-            rescale(acc_o, l, a, m, m0)                 # O_R, l under m0
-            T.barrier_wait(ready[0 + R], i % 2)
+            rescale(acc_o, l, a, m, m0, vote)           # O_R, l under m0
+            T.barrier_wait(ready[0 + R], gp % 2)
             pv(z, 0, R, acc_o, p_s, kv_s)               # runs under the softmax
             stamp(12 * i + 9, t0s, Lse, bi, mi)
-            softmax(acc_s, m0, m, a, ls, l)             # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
+            softmax(acc_s, m0, m, a, ls, l, vote)       # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
             stamp(12 * i + 10, t0s, Lse, bi, mi)
-            T.barrier_wait(p_free1, (i % 2) ^ 1)       # consumer 0 is done with P1 of pair i - 1
+            T.barrier_wait(p_free1, (gp % 2) ^ 1)      # consumer 0 is done with P1 of the pair before
             T.copy(acc_s, p_s[1, :, :])
             T.copy(m, mx_s[1, :])
             T.fence_proxy_async()
@@ -306,17 +391,38 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
             T.barrier_arrive(p_free0)
-            for h, d in T.Parallel(H, DH):              # O_R under m1
-                acc_o[h, d] *= a[h]
+            scale_o(acc_o, a, vote)                     # O_R under m1
             pv(z, 1, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)
-            T.barrier_arrive(free[2 + R])
+            if P:
+                if i < NP - 1:                          # the last pair's: the epilogue frees it (O is staged there)
+                    T.barrier_arrive(free[2 + R])
+            else:
+                T.barrier_arrive(free[2 + R])
 
     @T.macro
-    def consumer(w, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free, bar_p0, bar_p1, p_free0, p_free1,
-                 bar_end, t0s, Sink, O, Lse, bi, mi):
-        """Consumer warpgroup w: its registers, its pairs (consumer0 / consumer1), the row sums' exchange, its
-        epilogue."""
+    def one_query(w, k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                  q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
+        """Consumer w's k-th query of the CTA: its pairs, the row sums' exchange, its epilogue."""
+        T.fill(acc_o, 0)
+        T.fill(l, 0)
+        T.fill(m, -1e30)
+        pairs = consumer0 if w == 0 else consumer1
+        pairs(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready, free,
+              bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi)
+        # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
+        # their last WGMMA on q_s, which the epilogue reuses for O (one CTA a query)
+        T.copy(l, sum_s[w, :])
+        stamp(60 + w, t0s, Lse, bi, mi)                  # trace: the consumer's last P V done
+        T.barrier_arrive(bar_end)
+        T.barrier_wait(bar_end, k % 2)
+        epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, free, Sink, O, Lse, bi, mi, t0s)
+        stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
+
+    @T.macro
+    def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
+                 p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
+        """Consumer warpgroup w: its registers and its queries (one, or the persistent CTA's cta, cta + G, ...)."""
         acc_s = T.alloc_fragment([H, BI], F32)
         acc_o = T.alloc_fragment([H, DH], F32)
         m = T.alloc_fragment([H], F32)
@@ -324,22 +430,105 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         a = T.alloc_fragment([H], F32)
         ls = T.alloc_fragment([H], F32)
         l = T.alloc_fragment([H], F32)
+        vote = T.alloc_local([1], I32)
         z = T.alloc_var(I32)
         T.set_max_nreg(nreg[0], 1)
-        T.fill(acc_o, 0)
-        T.fill(l, 0)
-        T.fill(m, -1e30)
-        pairs = consumer0 if w == 0 else consumer1
-        pairs(z, zs, acc_s, acc_o, m, m0, a, ls, l, q_s, kv_s, idx_s, p_s, mx_s, bar_q, ready, free, bar_p0, bar_p1,
-              p_free0, p_free1, t0s, Lse, bi, mi)
-        # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
-        # their last WGMMA on q_s, which the epilogue reuses for O
-        T.copy(l, sum_s[w, :])
-        stamp(60 + w, t0s, Lse, bi, mi)                  # trace: the consumer's last P V done
-        T.barrier_arrive(bar_end)
-        T.barrier_wait(bar_end, 0)
-        epilogue(w, l, m, ls, acc_o, sum_s, q_s, Sink, O, Lse, bi, mi, t0s)
-        stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
+        if P:
+            for k in T.serial(NQ):
+                n = cta + k * G
+                one_query(w, k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                          q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, n // M,
+                          n % M)
+        else:
+            one_query(w, 0, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                      q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+
+    @T.macro
+    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi):
+        for i in T.serial(NP):
+            gp = k * NP + i
+            for s, h in ((0, L), (0, R), (1, L), (1, R)):
+                T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
+                if diag == "compute":
+                    if gp > 0:
+                        T.barrier_arrive(ready[2 * s + h])
+                    else:
+                        gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                        T.cp_async_barrier_noinc(ready[2 * s + h])
+                else:
+                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                    T.cp_async_barrier_noinc(ready[2 * s + h])
+
+    @T.macro
+    def producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi):
+        """Warpgroup 2: each query's index row and Q, then its pairs' KV gathers in the order the stage halves are
+        freed. Persistent: the next query's index row (the other buffer) right after the current query's gathers,
+        its Q once both consumers are past their last QK (``q_free``); its first gathers then wait only for the
+        stages."""
+        T.set_max_nreg(nreg[1], 0)
+        tp = T.get_thread_binding() - 256
+        src = T.alloc_local([BI // 16], I32)
+        if P:
+            if NQ > 0:                                   # (the grid may outnumber the queries)
+                load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
+                T.cp_async_barrier_noinc(bar_i)
+                load_q(tp, cta // M, cta % M, q_s, Q)
+                T.cp_async_barrier_noinc(bar_q)
+            for k in T.serial(NQ):
+                n = cta + k * G
+                T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
+                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, n // M)
+                if k < NQ - 1:
+                    load_row(tp, (n + G) // M, (n + G) % M, (k + 1) % NB, idx_s, Idx)
+                    T.cp_async_barrier_noinc(bar_i)
+                    T.barrier_wait(q_free, k % 2)
+                    load_q(tp, (n + G) // M, (n + G) % M, q_s, Q)
+                    T.cp_async_barrier_noinc(bar_q)
+        else:
+            load_row(tp, bi, mi, 0, idx_s, Idx)
+            load_q(tp, bi, mi, q_s, Q)
+            T.cp_async_barrier_noinc(bar_q)
+            T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
+            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi)
+
+    @T.macro
+    def cta_body(cta, bi, mi, Q, KV, Sink, Idx, O, Lse):
+        """One CTA: shared memory, barriers, the three roles. ``cta`` (persistent) or (bi, mi): its query."""
+        q_s = T.alloc_shared([1, H, D], BF16)      # [1, ...]: indexed by the runtime zero z (consumers)
+        zs = T.alloc_shared([1], I32)
+        t0s = T.alloc_shared([1], "int64")          # diag="trace": the CTA's start (clock64)
+        kv_s = T.alloc_shared([2, BI, D], BF16)
+        p_s = T.alloc_shared([2, H, BI], BF16)
+        idx_s = T.alloc_shared([NB, TP], I32)
+        mx_s = T.alloc_shared([2, H], F32)
+        sum_s = T.alloc_shared([2, H], F32)
+
+        bar_q = T.alloc_barrier(arrive_count=128)
+        bar_i = T.alloc_barrier(arrive_count=128)   # persistent: an index row landed
+        q_free = T.alloc_barrier(arrive_count=256)  # persistent: both consumers past their last QK
+        ready = T.alloc_barrier(arrive_count=[128] * 4)
+        free = T.alloc_barrier(arrive_count=[128] * 4)
+        bar_p0 = T.alloc_barrier(arrive_count=128)
+        bar_p1 = T.alloc_barrier(arrive_count=128)
+        p_free0 = T.alloc_barrier(arrive_count=128)
+        p_free1 = T.alloc_barrier(arrive_count=128)
+        bar_end = T.alloc_barrier(arrive_count=256)
+
+        NQ = (B * M - cta + G - 1) // G if P else 1  # this CTA's queries: cta, cta + G, ...
+        tx = T.get_thread_binding()
+        if tx == 0:
+            zs[0] = 0
+            if TR:
+                t0s[0] = T.call_extern("int64", "clock64")
+        T.sync_threads()
+        if tx < 128:
+            consumer(0, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0,
+                     bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+        elif tx < 256:
+            consumer(1, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0,
+                     bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+        else:
+            producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi)
 
     @T.prim_func
     def sparse_attn_fwd_pp(
@@ -350,57 +539,18 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         O: T.Tensor([B, M, H, D], BF16),
         Lse: T.Tensor([B, M, H], F32),
     ):
-        with T.Kernel(M, B, threads=384) as (mi, bi):
-            q_s = T.alloc_shared([1, H, D], BF16)      # [1, ...]: indexed by the runtime zero z (consumers)
-            zs = T.alloc_shared([1], I32)
-            t0s = T.alloc_shared([1], "int64")          # diag="trace": the CTA's start (clock64)
-            kv_s = T.alloc_shared([2, BI, D], BF16)
-            p_s = T.alloc_shared([2, H, BI], BF16)
-            idx_s = T.alloc_shared([TP], I32)
-            mx_s = T.alloc_shared([2, H], F32)
-            sum_s = T.alloc_shared([2, H], F32)
-
-            bar_q = T.alloc_barrier(arrive_count=128)
-            ready = T.alloc_barrier(arrive_count=[128] * 4)
-            free = T.alloc_barrier(arrive_count=[128] * 4)
-            bar_p0 = T.alloc_barrier(arrive_count=128)
-            bar_p1 = T.alloc_barrier(arrive_count=128)
-            p_free0 = T.alloc_barrier(arrive_count=128)
-            p_free1 = T.alloc_barrier(arrive_count=128)
-            bar_end = T.alloc_barrier(arrive_count=256)
-
-            tx = T.get_thread_binding()
-            if tx == 0:
-                zs[0] = 0
-                if TR:
-                    t0s[0] = T.call_extern("int64", "clock64")
-            T.sync_threads()
-            if tx < 128:
-                consumer(0, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free, bar_p0, bar_p1, p_free0,
-                         p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
-            elif tx < 256:
-                consumer(1, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, ready, free, bar_p0, bar_p1, p_free0,
-                         p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
-            else:
-                T.set_max_nreg(nreg[1], 0)
-                tp = tx - 256
-                src = T.alloc_local([BI // 16], I32)
-                load_row_q(tp, idx_s, q_s, Idx, Q, bar_q, bi, mi)
-                T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
-                for i in T.serial(NP):
-                    for s, h in ((0, L), (0, R), (1, L), (1, R)):
-                        T.barrier_wait(free[2 * s + h], (i % 2) ^ 1)
-                        if diag == "compute" and i > 0:
-                            T.barrier_arrive(ready[2 * s + h])
-                        else:
-                            gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, src, KV, bi)
-                            T.cp_async_barrier_noinc(ready[2 * s + h])
+        if P:
+            with T.Kernel(G, threads=384) as cta:
+                cta_body(cta, cta // M, cta % M, Q, KV, Sink, Idx, O, Lse)
+        else:
+            with T.Kernel(M, B, threads=384) as (mi, bi):
+                cta_body(0, bi, mi, Q, KV, Sink, Idx, O, Lse)
 
     return compile_kernel(sparse_attn_fwd_pp, out_idx=[4, 5])
 
 
-def pp_fits(H: int, D: int, TP: int, BI: int = 64) -> bool:
+def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0) -> bool:
     """fwd_kernel_pp's shapes: 64 heads, D a multiple of 128 up to 512, TP a multiple of 2 * BI, and Q, two
-    stages, P and the index row within the shared memory."""
+    stages, P and the index row (two when persistent, ``ctas`` > 0) within the shared memory."""
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
-            and _pp_smem(H, D, TP, BI) <= 227 * 1024 - 2048)
+            and _pp_smem(H, D, TP, BI, 2 if ctas else 1) <= 227 * 1024 - 2048)

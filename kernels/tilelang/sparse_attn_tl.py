@@ -14,8 +14,9 @@ Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
 
 - ``fwd_kernel_pp`` (the default for 64 heads, block 64, index slots a multiple of 128; ``sparse_attn_pp_tl``):
   FlashMLA's ping-pong of two consumer warpgroups with a gathering producer, the release's numerics; 448-495
-  TFLOP/s at the release shape, +3.1% over sp on average in the same process (runs 48-56); what limits it, in
-  that file.
+  TFLOP/s at the release shape, +3.1% over sp on average in the same process (runs 48-56), and as a persistent
+  grid of one CTA per SM (FWD_PP_PERSISTENT, where there are more queries than SMs) 485-502 (run 68); what
+  limits it, in that file.
 - ``fwd_kernel_sp`` (``sparse_attn_sp_tl``; the default before run 48): the softmax and the P V product on
   different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
 - ``fwd_kernel_ws``, warp-specialised: a producer warpgroup gathers KV blocks into a ring of shared stages
@@ -417,6 +418,10 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 # fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
 FWD_DEFAULT = "pp"
+# fwd_kernel_pp as a persistent grid of one CTA per SM where there are more queries than SMs (run 68: +4-7%, the
+# same bits); PP_SMS, the H200's count, when planning on CPU tensors (scripts/precompile_kernels.py)
+FWD_PP_PERSISTENT = True
+PP_SMS = 132
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
 # impl="seesaw": fwd_kernel_seesaw (H = 64, same shapes as ws_fits); its running max moves once per BI
@@ -434,8 +439,9 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     (64-head multiples only): same math, P rounded against other running maxima (1-2 ulp apart on
     ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape (lock-step kernel).
 
-    impl (default FWD_DEFAULT): "pp" runs fwd_kernel_pp (sparse_attn_pp_tl) for block 64 where pp_fits, else
-    falls back as "sp" does; "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
+    impl (default FWD_DEFAULT): "pp" runs fwd_kernel_pp (sparse_attn_pp_tl) for block 64 where pp_fits (a
+    persistent grid of one CTA per SM when FWD_PP_PERSISTENT, there are more queries than SMs and its two index
+    rows fit), else falls back as "sp" does; "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
     block BI = 64 is the release's), else falls back as "ws" does; "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
     (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "seesaw" runs
     fwd_kernel_seesaw with FWD_SEESAW_CFG where ws_fits(H, D) (block BI = 64 whatever ``block`` asks:
@@ -450,7 +456,9 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     BI = FWD_SP_CFG["BI"]
     if impl == "pp" and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
-        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale))
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
+        ctas = sms if FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], ctas=sms) else 0
+        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas)
     elif impl in ("sp", "pp") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
         idx = _pad_idx(idx, BI)
         k = fwd_kernel_sp(H, D, idx.shape[-1], float(scale), **FWD_SP_CFG)
