@@ -54,8 +54,11 @@ is then 1.0, but data-dependent).
 
 Persistent grid (``ctas``, run 68; the default through ``sparse_attn_tl._fwd`` where there are more queries than
 SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its neighbours'
-pairs instead of idling the SM: +4-7% (485-502 against 453-482 TFLOP/s in the same process), the same bits. With
-``lazy`` (FlashAttention-4's conditional rescale, not the release's bits) on top: 513-527.
+pairs instead of idling the SM: +1-9% (485-526 against 450-490 TFLOP/s in the same processes, runs 68-69), the
+same bits. With ``lazy`` (FlashAttention-4's conditional rescale, not the release's bits) on top: 508-527. What is
+left at a query's boundary (run 69's persistent trace, stretched by its stamps): the epilogue (~3000 cycles: the row
+sums' exchange, the normalisation, O into stage 1 and its TMA store) on both consumers' path, then consumer 1's wait
+for stage 1's regather; storing O by the warpgroups' own copies instead moved that time without gaining.
 
 Next step. The chain is serial because one query's blocks are split between two warpgroups, which the output's
 size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
