@@ -350,8 +350,8 @@ def test_sparse_attn_fwd_default_persistent(monkeypatch):
 def test_sparse_attn_fwd_pp_persistent(shape, ctas):
     """ctas > 0, a persistent grid: CTA c takes queries c, c + ctas, ... (rows of several batches in one CTA's run;
     132 CTAs outnumber the first shape's 128 queries, so some CTAs have none). The next query's Q and index row load
-    during the current one's last pair and O is staged in a KV stage; the arithmetic is the same, so the bits must
-    be one-CTA-a-query's, launch after launch."""
+    during the current one's last pair, O is staged in a KV stage and consumer 0 issues the next query's first QK
+    before its epilogue; the arithmetic is the same, so the bits must be one-CTA-a-query's, launch after launch."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
     B, M, H, D, N, T = shape

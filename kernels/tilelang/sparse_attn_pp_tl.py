@@ -52,13 +52,16 @@ peak, ~4200-4700 at measured rates) rather than hiding under them: ~5000-5500 cy
 the lever within this schedule (e.g. skipping an O rescale when a warp's row maxima did not move: exact, as the factor
 is then 1.0, but data-dependent).
 
-Persistent grid (``ctas``, run 68; the default through ``sparse_attn_tl._fwd`` where there are more queries than
-SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its neighbours'
-pairs instead of idling the SM: +1-9% (485-526 against 450-490 TFLOP/s in the same processes, runs 68-69), the
-same bits. With ``lazy`` (FlashAttention-4's conditional rescale, not the release's bits) on top: 508-527. What is
-left at a query's boundary (run 69's persistent trace, stretched by its stamps): the epilogue (~3000 cycles: the row
-sums' exchange, the normalisation, O into stage 1 and its TMA store) on both consumers' path, then consumer 1's wait
-for stage 1's regather; storing O by the warpgroups' own copies instead moved that time without gaining.
+Persistent grid (``ctas``, runs 68-71; the default through ``sparse_attn_tl._fwd`` where there are more queries
+than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
+neighbours' pairs instead of idling the SM: +1-9% (485-526 against 450-490 TFLOP/s in the same processes, runs
+68-69), the same bits; consumer 0 issuing the next query's first QK before its epilogue added 3-6% in 5 of 6
+comparisons (run 70: 490-528). With ``lazy`` (FlashAttention-4's conditional rescale, not the release's bits) on
+top: 508-528. What is left at a query's boundary (the persistent traces, stretched by their stamps): the epilogue
+(~3000-4000 cycles: the row sums' exchange, the normalisation, O into stage 1 and its TMA store, whose reads take
+~2500) on both consumers' path, and consumer 1's wait for stage 1's regather behind it. Not kept: storing O by the
+warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
+(433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
 Next step. The chain is serial because one query's blocks are split between two warpgroups, which the output's
 size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
@@ -111,9 +114,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     producer loads the next query's index row (a second buffer) as soon as it has issued the current query's gathers,
     its Q once both consumers are past their last QK (``q_free``), and gathers its first blocks as the stages free
     up; O is staged in stage 1 (each consumer's half is free once its own last P V is done), whose halves the
-    epilogue frees once the TMA store has read them. So a query's start and end overlap its neighbours' pairs instead
-    of costing each CTA ~25% of its time (run 65: ~4000 cycles before the first QK, ~3200 after the last P V, of
-    ~41000). Same arithmetic, same bits.
+    epilogue frees once the TMA store has read them; consumer 0 issues the next query's first QK before its
+    epilogue. So a query's start and end overlap its neighbours' pairs instead of costing each CTA ~25% of its time
+    (run 65: ~4000 cycles before the first QK, ~3200 after the last P V, of ~41000). Same arithmetic, same bits.
 
     ``lazy`` (0: the release's numerics): tau > 0 keeps a warp's running maxima until one of its 16 rows would move by
     more than tau (log2 units), and skips the O rescale of a warp whose factors are all exactly 1, as FlashAttention-4
@@ -297,17 +300,23 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         scale_o(acc_o, a, vote)
 
     @T.macro
-    def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
-        """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
-        ib = k % NB
+    def issue_s0(k, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready):
+        """Consumer 0: the QK of the CTA's k-th query's first block (S0 of its first pair), issued, not waited for."""
         T.barrier_wait(bar_q, k % 2)
         z = zs[0]
-        seed(0, acc_s, idx_s, ib)
+        seed(0, acc_s, idx_s, k % NB)
         T.barrier_wait(ready[0 + L], (k * NP) % 2)
         qk_half(z, L, 0, acc_s, q_s, kv_s)
         T.barrier_wait(ready[0 + R], (k * NP) % 2)
         qk_half(z, R, 0, acc_s, q_s, kv_s)
+
+    @T.macro
+    def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
+        """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
+        ib = k % NB
+        if not P:                                       # persistent: issued before the previous query's epilogue
+            issue_s0(k, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
         T.wait_wgmma(0)
         if P and NP == 1:
             T.barrier_arrive(q_free)                    # my last QK of this query is done
@@ -404,15 +413,21 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.barrier_arrive(free[2 + R])
 
     @T.macro
-    def one_query(w, k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+    def one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
                   q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
-        """Consumer w's k-th query of the CTA: its pairs, the row sums' exchange, its epilogue."""
+        """Consumer w's k-th query of the CTA: its pairs, the row sums' exchange, its epilogue. Persistent: consumer
+        0 issues the next query's first QK (Q and stage 0 are already there) before the exchange and the epilogue,
+        so the tensor core runs it under their FP32 work (run 70: +3-6%); it is waited for before the loop's back
+        edge (no WGMMA in flight across it)."""
         T.fill(acc_o, 0)
         T.fill(l, 0)
         T.fill(m, -1e30)
         pairs = consumer0 if w == 0 else consumer1
         pairs(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready, free,
               bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi)
+        if P and w == 0:
+            if k < NQ - 1:
+                issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
         # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
         # their last WGMMA on q_s, which the epilogue reuses for O (one CTA a query)
         T.copy(l, sum_s[w, :])
@@ -421,6 +436,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.barrier_wait(bar_end, k % 2)
         epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, free, Sink, O, Lse, bi, mi, t0s)
         stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
+        if P and w == 0:
+            T.wait_wgmma(0)                             # no WGMMA in flight across the query loop's back edge
 
     @T.macro
     def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
@@ -437,13 +454,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         z = T.alloc_var(I32)
         T.set_max_nreg(nreg[0], 1)
         if P:
+            if w == 0:
+                if NQ > 0:
+                    issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
             for k in T.serial(NQ):
                 n = cta + k * G
-                one_query(w, k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+                one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
                           q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, n // M,
                           n % M)
         else:
-            one_query(w, 0, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+            one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
                       q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
 
     @T.macro

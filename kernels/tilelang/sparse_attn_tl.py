@@ -15,7 +15,7 @@ Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
 - ``fwd_kernel_pp`` (the default for 64 heads, block 64, index slots a multiple of 128; ``sparse_attn_pp_tl``):
   FlashMLA's ping-pong of two consumer warpgroups with a gathering producer, the release's numerics; 448-495
   TFLOP/s at the release shape, +3.1% over sp on average in the same process (runs 48-56), and as a persistent
-  grid of one CTA per SM (FWD_PP_PERSISTENT, where there are more queries than SMs) 485-502 (run 68); what
+  grid of one CTA per SM (FWD_PP_PERSISTENT, where there are more queries than SMs) 490-528 (runs 70-72); what
   limits it, in that file.
 - ``fwd_kernel_sp`` (``sparse_attn_sp_tl``; the default before run 48): the softmax and the P V product on
   different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
@@ -418,8 +418,8 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 # fwd_kernel; "lockstep" = always fwd_kernel. The warp-specialised configuration per ``block``
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
 FWD_DEFAULT = "pp"
-# fwd_kernel_pp as a persistent grid of one CTA per SM where there are more queries than SMs (run 68: +4-7%, the
-# same bits); PP_SMS, the H200's count, when planning on CPU tensors (scripts/precompile_kernels.py)
+# fwd_kernel_pp as a persistent grid of one CTA per SM where there are more queries than SMs (runs 68-72: +7-12%
+# against one CTA a query in the same calls, the same bits); PP_SMS, the H200's count, when planning on CPU tensors (scripts/precompile_kernels.py)
 FWD_PP_PERSISTENT = True
 PP_SMS = 132
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
