@@ -216,7 +216,8 @@ def _trace_one(results, q, kv, sink, ip, scale, fl, by_f, kw):
     if G:                                              # persistent: each query from its CTA's previous query's end
         period = (st[G:, 62] - st[:-G, 62]).median().item()
         st = st[G:] - st[:-G, 62:63]
-        since = f"since the CTA's previous query's C0 epilogue ended (median of {st.shape[0]} queries; a query {period:.0f})"
+        since = (f"since the CTA's previous query's C0 epilogue ended (median of {st.shape[0]} queries; "
+                 f"a query {period:.0f})")
     else:
         since = f"since a CTA's start (median of {st.shape[0]} CTAs)"
     med = st.median(0).values.tolist()

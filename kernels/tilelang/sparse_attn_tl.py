@@ -419,7 +419,8 @@ def _pad_idx(idx: torch.Tensor, BI: int) -> torch.Tensor:
 # (the softmax recurrence's block: the running max moves once per 2 * BI slots):
 FWD_DEFAULT = "pp"
 # fwd_kernel_pp as a persistent grid of one CTA per SM where there are more queries than SMs (runs 68-72: +7-12%
-# against one CTA a query in the same calls, the same bits); PP_SMS, the H200's count, when planning on CPU tensors (scripts/precompile_kernels.py)
+# against one CTA a query in the same calls, the same bits); PP_SMS, the H200's count, when planning on CPU tensors
+# (scripts/precompile_kernels.py)
 FWD_PP_PERSISTENT = True
 PP_SMS = 132
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
