@@ -49,9 +49,9 @@ What bounds it (run 67): on the H200 FP32-pipe issue and tensor-core execution b
 stream beside bf16 WGMMAs costs 96-100% of their times' sum), so the consumers' FP32 work - ~256 FMULs a thread per
 pair for the two O rescales the release's numerics need, plus the softmax - adds to the pair's WGMMAs (4096 cycles at
 peak, ~4200-4700 at measured rates) rather than hiding under them: ~5000-5500 cycles a pair, against ~6000-6400.
-Fewer FP32 instructions per pair is the lever within this schedule: skipping an O rescale when a warp's row maxima did not move is exact but rare on random
-scores; FlashAttention-4's threshold (``lazy``, not the release's bits) skips nearly all of them and measured ~0-1%
-for one CTA a query, 3-5% on the persistent grid (runs 68-70).
+Fewer FP32 instructions per pair is the lever within this schedule: skipping an O rescale when a warp's row maxima
+did not move is exact but rare on random scores; FlashAttention-4's threshold (``lazy``, not the release's bits) skips
+nearly all of them and measured ~0-1% for one CTA a query, 3-5% on the persistent grid (runs 68-73).
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
