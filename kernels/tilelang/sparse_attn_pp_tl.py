@@ -461,9 +461,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
             for k in T.serial(NQ):
                 n = cta + k * G
-                one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
-                          q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, n // M,
-                          n % M)
+                one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s,
+                          bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
+                          n // M, n % M)
         else:
             one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
                       q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
