@@ -149,7 +149,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if not 0 <= lazy <= 16:
         raise ValueError(f"fwd_kernel_pp: lazy must be in [0, 16] (log2 units; P <= 2^lazy in bf16), got {lazy!r}")
     P = ctas > 0
-    G = ctas
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -184,18 +183,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             acc_o[h, d] /= l[h]
         if w == 0:                                      # trace: the last pair's free consumer-0 slots
             stamp(12 * (NP - 1) + 5, t0s, Lse, bi, mi)
+        # staged in q_s[0] (one CTA a query) or kv_s[1] (persistent); not bound to a name, which TileLang would
+        # give the buffer in the generated code
+        T.copy(acc_o, (kv_s if P else q_s)[int(P), :, w * DH:(w + 1) * DH])
+        if w == 0:
+            stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+        T.copy((kv_s if P else q_s)[int(P), :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])  # TMA (run 66)
         if P:
-            T.copy(acc_o, kv_s[1, :, w * DH:(w + 1) * DH])
-            if w == 0:
-                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
-            T.copy(kv_s[1, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
             T.sync_threads(3 + w, 128)                  # the store's reads are done (its issuing thread waited)
             T.barrier_arrive(free[2 + w])
-        else:
-            T.copy(acc_o, q_s[0, :, w * DH:(w + 1) * DH])
-            if w == 0:
-                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
-            T.copy(q_s[0, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])   # one TMA store (run 66)
         if w == 0 and not TR:
             for h in T.Parallel(H):
                 ls[h] = T.log2(l[h]) + m[h] * c
@@ -444,7 +440,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     @T.macro
     def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
                  p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
-        """Consumer warpgroup w: its registers and its queries (one, or the persistent CTA's cta, cta + G, ...)."""
+        """Consumer warpgroup w: its registers and its queries (one, or the persistent CTA's cta, cta + ctas, ...)."""
         acc_s = T.alloc_fragment([H, BI], F32)
         acc_o = T.alloc_fragment([H, DH], F32)
         m = T.alloc_fragment([H], F32)
@@ -460,7 +456,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 if NQ > 0:
                     issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
             for k in T.serial(NQ):
-                n = cta + k * G
+                n = cta + k * ctas
                 one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s,
                           bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
                           n // M, n % M)
@@ -500,14 +496,14 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 load_q(tp, cta // M, cta % M, q_s, Q)
                 T.cp_async_barrier_noinc(bar_q)
             for k in T.serial(NQ):
-                n = cta + k * G
+                n = cta + k * ctas
                 T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
                 query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, n // M)
                 if k < NQ - 1:
-                    load_row(tp, (n + G) // M, (n + G) % M, (k + 1) % NB, idx_s, Idx)
+                    load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
                     T.cp_async_barrier_noinc(bar_i)
                     T.barrier_wait(q_free, k % 2)
-                    load_q(tp, (n + G) // M, (n + G) % M, q_s, Q)
+                    load_q(tp, (n + ctas) // M, (n + ctas) % M, q_s, Q)
                     T.cp_async_barrier_noinc(bar_q)
         else:
             load_row(tp, bi, mi, 0, idx_s, Idx)
@@ -539,7 +535,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         p_free1 = T.alloc_barrier(arrive_count=128)
         bar_end = T.alloc_barrier(arrive_count=256)
 
-        NQ = (B * M - cta + G - 1) // G if P else 1  # this CTA's queries: cta, cta + G, ...
+        NQ = (B * M - cta + ctas - 1) // ctas if P else 1  # this CTA's queries: cta, cta + ctas, ...
         tx = T.get_thread_binding()
         if tx == 0:
             zs[0] = 0
@@ -565,7 +561,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         Lse: T.Tensor([B, M, H], F32),
     ):
         if P:
-            with T.Kernel(G, threads=384) as cta:
+            with T.Kernel(ctas, threads=384) as cta:
                 cta_body(cta, cta // M, cta % M, Q, KV, Sink, Idx, O, Lse)
         else:
             with T.Kernel(M, B, threads=384) as (mi, bi):
