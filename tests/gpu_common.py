@@ -49,3 +49,46 @@ def record_kernel_calls(names, per_op):
     finally:
         for n in names:
             setattr(K, n, real[n])
+
+
+# ----------------------------------------------------------------------------- sparse-attention operands
+def attn_inputs(B, M, H, D, N, T, seed=0, holes=0.1, empty_row=True):
+    """Sparse-attention operands: random q [B, M, H, D], kv [B, N, D] (bf16), sink [H], idx [B, M, T] with a share
+    ``holes`` of -1 and (``empty_row``) one all-hole row."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, M, H, D, device=DEV, generator=g).bfloat16()
+    kv = torch.randn(B, N, D, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(H, device=DEV, generator=g)
+    idx = torch.randint(0, N, (B, M, T), device=DEV, generator=g, dtype=torch.int32)
+    idx = idx.masked_fill(torch.rand(B, M, T, device=DEV, generator=g) < holes, -1)
+    if empty_row:
+        idx[0, M // 2] = -1                 # an all-hole row must give 0
+    return q, kv, sink, idx
+
+
+def release_idx(M, N_window, n_comp, topk=512, window=128, seed=0):
+    """Prefill indices as the release builds them: window i-127..i (-1 before 0) + top-k compressed."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    i = torch.arange(M, device=DEV)[:, None]
+    w = i - (window - 1) + torch.arange(window, device=DEV)[None]
+    w = torch.where(w >= 0, w, -1)
+    visible = ((i + 1) // 2).clamp(max=n_comp)                                # ratio 2
+    r = torch.rand(M, n_comp, device=DEV, generator=g)
+    r = r.masked_fill(torch.arange(n_comp, device=DEV)[None] >= visible, -1.0)
+    top = r.topk(topk, dim=-1)
+    c = torch.where(top.values >= 0, top.indices, -1)
+    c = torch.where(c >= 0, c + N_window, -1).sort(-1).values
+    return torch.cat([w, c], -1).int()[None]
+
+
+def release_inputs(seed, idx_seed, with_do=False):
+    """q, kv, sink (+ do) drawn from one generator seeded ``seed``, and idx = ``release_idx(seed=idx_seed)``:
+    a release prefill, 4096 queries, 64 heads x 512, 128 window + 512 of 2048 compressed rows."""
+    M, H, D, n_comp = 4096, 64, 512, 2048
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16()
+    kv = torch.randn(1, M + n_comp, D, device=DEV, generator=g).bfloat16()
+    sink = torch.randn(H, device=DEV, generator=g)
+    do = torch.randn(1, M, H, D, device=DEV, generator=g).bfloat16() if with_do else None
+    idx = release_idx(M, M, n_comp, seed=idx_seed)
+    return q, kv, sink, do, idx

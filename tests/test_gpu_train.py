@@ -140,7 +140,7 @@ def test_train_config_ops_forward_and_backward_match_torch(setup):
     16 heads of 32 and candidate masks, the Sinkhorn): the torch forward records each op's inputs; TileLang's
     outputs and its input gradients (for a random cotangent) are compared with the fp32 truth (the torch reference
     on fp32 inputs), next to the bf16 torch reference's own distance to it. Pass: cosine diff < 1e-4 or no more
-    than 1.5x the bf16 reference's (as tests/test_gpu_sparse_attn.py); isolates which kernel, if any, makes the
+    than 1.5x the bf16 reference's (as tests/test_gpu_sparse_attn_bwd.py); isolates which kernel, if any, makes the
     whole-model comparison above differ."""
     need_tilelang()
     cfg, tr, fr, batch = setup
