@@ -174,13 +174,13 @@ def attention_diag(results, args):
         ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
         f_ = 2 * B * M * H * T_ * 2 * D
         b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
-        for kind in ("ws", "sp", "pp") + tuple(f"pp {opts(kw)}" for kw in PP_ROUND_OPTS
-                                               if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0))):
+        makers = [("ws", lambda: sa.fwd_kernel_ws(H, D, T_, scale, **cfg)),
+                  ("sp", lambda: sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))]
+        makers += [(f"pp {opts(kw)}" if kw else "pp", lambda kw=kw: pp.fwd_kernel_pp(H, D, T_, scale, **kw))
+                   for kw in ({},) + PP_ROUND_OPTS if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0))]
+        for kind, make in makers:
             try:
-                kf = (sa.fwd_kernel_ws(H, D, T_, scale, **cfg) if kind == "ws"
-                      else pp.fwd_kernel_pp(H, D, T_, scale) if kind == "pp"
-                      else sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG) if kind == "sp"
-                      else pp.fwd_kernel_pp(H, D, T_, scale, **json.loads(kind[3:])))
+                kf = make()
                 results.append(row(f"  {kind}, {T_} random slots a query", bench(lambda: kf(q, kv, sink, ir)), f_, b_))
             except Exception as e:
                 print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
