@@ -49,6 +49,7 @@ def register_carrier(cls):
 # ----------------------------------------------------------------------------- path-keyed views
 from typing import Any, Callable, Optional  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -208,6 +209,11 @@ def _as_float(x: torch.Tensor, scale: Optional[torch.Tensor]) -> Optional[torch.
     return x.double()
 
 
+def _is_int(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool) and t.dtype in (
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
+
+
 def _scale_of(flat: dict, path: str):
     if path.endswith(".weight"):
         s = flat.get(path[: -len("weight")] + "scale")
@@ -242,7 +248,25 @@ def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
                                 dtype_b=str(y.dtype).replace("torch.", "") if isinstance(y, torch.Tensor) else None))
             continue
         rows.append(_diff_leaf(path, fa[path], fb[path], _scale_of(fa, path), _scale_of(fb, path), atol))
+    ka, kb = _node_kinds(a), _node_kinds(b)     # same leaf paths, other containers: [x] vs {"0": x}
+    rows += [DiffRow(p or "<root>", "type", note=f"{ka[p]} vs {kb[p]}") for p in ka if p in kb and ka[p] != kb[p]]
     return TreeDiff(rows, atol)
+
+
+def _node_kinds(tree, prefix: str = "") -> dict[str, str]:
+    """{path: container type name} of the dict / list / tuple / dataclass nodes of ``tree``."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        items = ((f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree))
+    else:
+        return {}
+    out = {prefix: type(tree).__name__}
+    for k, v in items:
+        out.update(_node_kinds(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def _logical_shape(t: torch.Tensor) -> tuple:
@@ -251,11 +275,23 @@ def _logical_shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _same(x, y) -> bool:
+    """``x == y`` for non-tensor leaves, also where ``==`` gives an array (numpy) or raises."""
+    try:
+        r = x == y
+        return bool(r.all()) if hasattr(r, "all") else bool(r)
+    except Exception:
+        return repr(x) == repr(y)
+
+
 def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
+    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):     # numpy leaves: compared as tensors
+        x, y = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor) or type(x) is not type(y):
             return DiffRow(path, "type", note=f"{type(x).__name__} vs {type(y).__name__}")
-        return DiffRow(path, "ok" if x == y else "value", note="" if x == y else f"{x!r} vs {y!r}")
+        same = _same(x, y)
+        return DiffRow(path, "ok" if same else "value", note="" if same else f"{x!r} vs {y!r}")
     row = DiffRow(path, "ok", tuple(x.shape), tuple(y.shape), str(x.dtype).replace("torch.", ""),
                   str(y.dtype).replace("torch.", ""))
     if _logical_shape(x) != _logical_shape(y):  # packed fp4 [N, K/2] matches a float [N, K]
@@ -278,8 +314,10 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
     if xf.shape != yf.shape:
         row.status = "shape"
         return row
-    d = (xf - yf).abs()
-    d = torch.where(torch.isnan(xf) & torch.isnan(yf), torch.zeros_like(d), d)
+    d = (xf - yf).abs()                         # equal values (also equal infinities) and NaN against NaN: 0
+    d = torch.where((xf == yf) | (torch.isnan(xf) & torch.isnan(yf)), torch.zeros_like(d), d)
+    if _is_int(x) and _is_int(y):               # exactly: float64 would merge integers above 2^53
+        d = (x.detach().cpu().long() - y.detach().cpu().long()).abs()
     row.max_abs = float(d.max()) if d.numel() else 0.0
     xv, yv = xf.flatten(), yf.flatten()
     den = float((xv * xv).sum() + (yv * yv).sum())

@@ -7,14 +7,15 @@ numpy, so a tensor is a view into the mapping until it is materialised: the chec
 twice, and with ``mmap_engram=True`` the Engram tables are never read into anonymous memory at all.
 
 Writing is atomic per folder: every shard goes to a temporary name in the target folder, is
-fsync'ed, and only once all are written are they renamed (``os.replace``) to their final names,
-the index last. An exception while writing leaves the previous checkpoint untouched and removes
-the temporary files.
+fsync'ed, and only once all are written are they moved into place (``_commit``) so that the folder
+always holds one whole checkpoint, the previous or the new one, whatever step is interrupted; the
+temporary files are removed on failure.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -54,7 +55,10 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------- reading
 def _read_header(path: Path) -> tuple[dict, int]:
-    """(header dict without __metadata__, byte offset of the data section)."""
+    """(header dict without __metadata__, byte offset of the data section), every entry checked against the file:
+    a known dtype, a list shape (fp4: an even last dimension), data offsets inside the file whose length is the
+    shape's, the data section covered exactly (as safetensors itself requires). Any problem is a
+    :class:`CheckpointError` naming the file and the tensor: a truncated or corrupt file never loads."""
     with open(path, "rb") as fh:
         raw = fh.read(8)
         if len(raw) != 8:
@@ -62,9 +66,58 @@ def _read_header(path: Path) -> tuple[dict, int]:
         (n,) = struct.unpack("<Q", raw)
         if n > _MAX_HEADER:
             raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
-        hdr = json.loads(fh.read(n))
+        text = fh.read(n)
+    size = os.path.getsize(path)
+    if len(text) != n:
+        raise CheckpointError(f"{path}: truncated: the header needs {n} bytes, the file has {size - 8}")
+    try:
+        hdr = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(hdr, dict):
+        raise CheckpointError(f"{path}: the safetensors header is a JSON {type(hdr).__name__}, not an object")
     hdr.pop("__metadata__", None)
-    return hdr, 8 + n
+    start, problems, spans = 8 + n, [], []
+    for name, h in hdr.items():
+        if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= set(h):
+            problems.append(f"{name}: entry {h!r} lacks dtype / shape / data_offsets")
+            continue
+        dt, shape, offs = h["dtype"], h["shape"], h["data_offsets"]
+        if dt not in _DTYPES:
+            problems.append(f"{name}: unknown dtype {dt!r} (known: {', '.join(_DTYPES)})")
+            continue
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            problems.append(f"{name}: shape {shape!r} is not a list of sizes")
+            continue
+        if dt == "F4" and (not shape or shape[-1] % 2):
+            problems.append(f"{name}: F4 shape {shape} needs an even last dimension (two values a byte)")
+            continue
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            problems.append(f"{name}: data_offsets {offs!r} are not [begin, end]")
+            continue
+        want = int(np.prod(_storage_shape(dt, shape), dtype=np.int64)) * _DTYPES[dt].itemsize
+        if offs[1] - offs[0] != want:
+            problems.append(f"{name}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, {dt} {shape} needs {want}")
+        elif start + offs[1] > size:
+            problems.append(f"{name}: data ends at byte {start + offs[1]}, past the end of the file ({size} bytes): "
+                            f"truncated")
+        else:
+            spans.append((offs[0], offs[1]))
+    if not problems:
+        end = 0
+        for a, b in sorted(spans):
+            if a != end:
+                problems.append(f"data bytes [{end}, {a}) belong to no tensor, or two tensors overlap")
+                break
+            end = b
+        else:
+            if start + end != size:
+                problems.append(f"{size - start - end} bytes after the last tensor's data")
+    if problems:
+        more = [f"... and {len(problems) - 8} more"] if len(problems) > 8 else []
+        raise CheckpointError(f"{path}: corrupt safetensors file", problems[:8] + more)
+    return hdr, start
 
 
 def _storage_shape(dtype_name: str, shape: list) -> tuple:
@@ -82,18 +135,15 @@ def _resolve(path: Path) -> dict[str, Path]:
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if (path / INDEX).exists():
-        with open(path / INDEX) as fh:
-            wmap = json.load(fh).get("weight_map")
-        if not isinstance(wmap, dict):
-            raise CheckpointError(f"{path / INDEX}: no 'weight_map' object")
-        root = path.resolve()
+        wmap = _read_index(path / INDEX)
+        # shard names are checked lexically, not resolved: a Hugging Face hub snapshot's shards are symlinks
+        # into its blobs folder, which is fine; a name with a folder part ("..", absolute) is not
         files, bad = {}, []
         for shard in sorted(set(wmap.values())):
             p = Path(shard)
-            full = (root / p).resolve()
-            if p.is_absolute() or ".." in p.parts or root not in full.parents:
+            if p.is_absolute() or ".." in p.parts:
                 bad.append(f"shard path {shard!r} leaves the checkpoint folder")
-            files[shard] = full
+            files[shard] = path / p
         if bad:
             raise CheckpointError(f"{path / INDEX}: refused", bad)
         return {name: files[shard] for name, shard in wmap.items()}
@@ -103,6 +153,23 @@ def _resolve(path: Path) -> dict[str, Path]:
     if len(found) != 1:
         raise FileNotFoundError(f"{path}: expected {INDEX}, {SINGLE} or one *.safetensors, found {len(found)}")
     return _resolve(found[0])
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """An index's weight_map (tensor name -> shard file name), checked: a JSON object whose ``weight_map`` maps
+    names to file names."""
+    try:
+        with open(index) as fh:
+            doc = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict):
+        raise CheckpointError(f"{index}: no 'weight_map' object")
+    bad = [f"{k!r}: {v!r}" for k, v in wmap.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointError(f"{index}: weight_map values must be shard file names", bad)
+    return wmap
 
 
 class _File:
@@ -159,6 +226,19 @@ def _fp8_wo_a(where: dict, files: dict, cfg: Config) -> set[str]:
     return out
 
 
+def _check_wo_a_scales(fp8_wo_a: set, where: dict, files: dict) -> None:
+    """The fp8 ``wo_a``'s scale must be what ``quant.dequant_fp8_block`` reads: e8m0, one per 32 x 32 block."""
+    problems = []
+    for pre in sorted(fp8_wo_a):
+        w, s = files[where[pre + ".weight"]].header[pre + ".weight"], files[where[pre + ".scale"]].header[pre + ".scale"]
+        want = [-(-w["shape"][0] // 32), -(-w["shape"][1] // 32)] if len(w["shape"]) == 2 else None
+        if s["dtype"] != "F8_E8M0" or s["shape"] != want:
+            problems.append(f"{pre}.scale is {s['dtype']} {s['shape']}, expected F8_E8M0 {want} "
+                            f"(one e8m0 scale per 32 x 32 block of the fp8 weight {w['shape']})")
+    if problems:
+        raise CheckpointError("fp8 attn.wo_a scales that cannot be dequantised:", problems)
+
+
 def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = False,
                 tokenizer=None):
     """Read a released-layout checkpoint into the params tree of ``cfg`` (storage dtypes kept).
@@ -175,7 +255,8 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     as the release's convert.py does; the returned tree has the released bf16 ``wo_a``.
     If ``cfg`` has Engram layers and ``tokenizer`` (a tokenizer.json path) is given or the folder
     holds ``tokenizer.json``, ``params["engram_token_map"]`` (int64 ``[vocab]``, SPEC §6.1) is built
-    with ``functional_dsv41.engram.build_token_map`` (skipped when that module is unavailable).
+    with ``functional_dsv41.engram.build_token_map`` and checked against ``cfg.engram_compressed_vocab_size``; a
+    ``tokenizer`` path that does not exist is an error.
     """
     path = Path(path)
     where = _resolve(path)
@@ -184,11 +265,16 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
         if name not in files[p].header:
             raise CheckpointError(f"{path}: index lists {name} in {p.name}, which does not hold it")
     fp8_wo_a = _fp8_wo_a(where, files, cfg)
+    _check_wo_a_scales(fp8_wo_a, where, files)
     if strict:
         found = {}
         for name, p in where.items():
             h = files[p].header[name]
             found[name] = (_storage_shape(h["dtype"], h["shape"]), _DTYPES.get(h["dtype"], h["dtype"]))
+        for p in sorted(set(where.values())):    # a shard's tensors that the index does not list are extras too
+            for name in files[p].header:
+                if where.get(name) != p:
+                    found[f"{name} (in {p.name}, not in the index)"] = (None, None)
         for pre in fp8_wo_a:                     # checked as the bf16 tensor it becomes
             found[pre + ".weight"] = (found[pre + ".weight"][0], torch.bfloat16)
             del found[pre + ".scale"]
@@ -214,14 +300,17 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
 def _add_token_map(params: dict, path: Path, cfg: Config, tokenizer) -> None:
     if not cfg.engram_layer_ids:
         return
-    tok = Path(tokenizer) if tokenizer is not None else (path if path.is_dir() else path.parent) / "tokenizer.json"
-    if not tok.exists():
-        return
-    try:
-        from functional_dsv41.engram import build_token_map
-    except ImportError:
-        return
-    params[TOKEN_MAP] = torch.as_tensor(build_token_map(str(tok)), dtype=torch.int64)
+    if tokenizer is not None:
+        tok = Path(tokenizer)
+        if not tok.is_file():
+            raise FileNotFoundError(f"load_params: tokenizer {tok} does not exist (the Engram token map needs it)")
+    else:
+        tok = (path if path.is_dir() else path.parent) / "tokenizer.json"
+        if not tok.is_file():
+            return
+    from functional_dsv41.engram import build_token_map
+    params[TOKEN_MAP] = torch.as_tensor(build_token_map(str(tok), expected_size=cfg.engram_compressed_vocab_size),
+                                        dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -285,6 +374,10 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     bad = [k for k, v in flat.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError("params tree has non-tensor leaves:", bad)
+    bad = [k for k, v in flat.items() if v.is_meta]
+    if bad:
+        raise CheckpointError("params tree has meta tensors (shapes without data: nothing to write):", bad[:8] +
+                              ([f"... and {len(bad) - 8} more"] if len(bad) > 8 else []))
     _check(entries, {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}, "params tree")
 
     shards, cur, cur_bytes = [], {}, 0
@@ -302,6 +395,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
 
     path.mkdir(parents=True, exist_ok=True)
     old = _previous_files(path)
+    mode = _file_mode()
     tmps: list[str] = []
     try:
         for shard, name in zip(shards, names):
@@ -309,15 +403,13 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
             os.close(fd)
             tmps.append(tmp)
             _write_shard(shard, tmp)
+            os.chmod(tmp, mode)                 # mkstemp's 0600 would stay on the final file
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.dtype.itemsize for t in flat.values())},
                      "weight_map": {n: name for shard, name in zip(shards, names) for n in shard}}
-            fd, tmp = tempfile.mkstemp(prefix=f".{INDEX}.", suffix=".tmp", dir=path)
-            tmps.append(tmp)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(index, fh, indent=2)
-                fh.flush()
-                os.fsync(fh.fileno())
+            tmps.append(_write_json_tmp(index, INDEX, path, mode))
+        finals = names + ([INDEX] if len(shards) > 1 else [])
+        keep = _commit(path, tmps, finals, old, mode)
     except BaseException:
         for tmp in tmps:
             try:
@@ -325,21 +417,84 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
             except FileNotFoundError:
                 pass
         raise
-    # commit: shards first, index last; a single-file save drops an old index first so the new file wins
-    finals = names + ([INDEX] if len(shards) > 1 else [])
-    if len(shards) == 1 and (path / INDEX).exists():
-        os.replace(tmps[0], path / SINGLE)
-        os.unlink(path / INDEX)
-    else:
-        for tmp, name in zip(tmps, finals):
-            os.replace(tmp, path / name)
-    _fsync_dir(path)
-    for f in old - set(finals):
+    for f in old - keep:                        # after the switch: the previous checkpoint's files
         try:
             os.unlink(path / f)
         except FileNotFoundError:
             pass
+    _fsync_dir(path)
     return [str(path / f) for f in finals]
+
+
+def _file_mode() -> int:
+    """0666 less the process umask: the mode ``open`` would give a new file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _write_json_tmp(doc: dict, name: str, path: Path, mode: int) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _commit(path: Path, tmps: list[str], finals: list[str], old: set[str], mode: int) -> set[str]:
+    """Move the written files into place so that at every instant the folder holds one whole checkpoint, the
+    previous or the new one; returns the final names (the files of ``old`` not among them are the caller's to
+    remove). The commit point is a single ``os.replace``: of ``model.safetensors`` for a single-file save,
+    of the index for a sharded one (the loader prefers the index). A new shard can only be moved onto a name
+    the previous index uses once that index no longer needs it: such shards are first hard-linked (copied
+    where links are unsupported) under backup names and the previous index rewritten to them, so a crash
+    anywhere leaves a loadable previous checkpoint. Moved files leave ``tmps``, so a failure removes only
+    what has not been moved."""
+    if len(finals) == 1:                        # single file: replace it; a previous index must go (it wins)
+        os.replace(tmps[0], path / SINGLE)
+        tmps.pop(0)
+        if (path / INDEX).exists():
+            os.unlink(path / INDEX)
+        return {SINGLE}
+    try:
+        wmap = _read_index(path / INDEX) if (path / INDEX).exists() else {}
+    except CheckpointError:                     # a broken index: no previous checkpoint to keep loadable
+        wmap = {}
+    if wmap:
+        clash = sorted({s for s in wmap.values() if s in finals})
+        if clash:
+            backup = {}
+            for s in clash:
+                fd, bak = tempfile.mkstemp(prefix=f".{s}.", suffix=".prev", dir=path)
+                os.close(fd)
+                os.unlink(bak)
+                try:
+                    os.link(path / s, bak)
+                except OSError:
+                    shutil.copy2(path / s, bak)
+                backup[s] = Path(bak).name
+            doc = {"metadata": {"note": "the previous checkpoint, while a new one is moved into place"},
+                   "weight_map": {n: backup.get(s, s) for n, s in wmap.items()}}
+            tmp = None
+            try:
+                tmp = _write_json_tmp(doc, INDEX, path, mode)
+                os.replace(tmp, path / INDEX)
+            except BaseException:               # the previous index still names the originals: drop the links
+                for f in [tmp, *[path / b for b in backup.values()]]:
+                    if f is not None and os.path.lexists(f):
+                        os.unlink(f)
+                raise
+            old |= set(backup.values())
+    for name in finals:                         # the shards, then the index (finals[-1]): the commit
+        os.replace(tmps[0], path / name)
+        tmps.pop(0)
+    return set(finals)
 
 
 def _previous_files(path: Path) -> set[str]:
@@ -350,9 +505,7 @@ def _previous_files(path: Path) -> set[str]:
     if (path / INDEX).exists():
         old.add(INDEX)
         try:
-            with open(path / INDEX) as fh:
-                wmap = json.load(fh).get("weight_map", {})
-            old |= {s for s in set(wmap.values()) if Path(s).name == s}
-        except (OSError, ValueError):
+            old |= {s for s in set(_read_index(path / INDEX).values()) if Path(s).name == s}
+        except (OSError, CheckpointError):
             pass
     return old

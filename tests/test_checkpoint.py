@@ -51,10 +51,10 @@ def test_load_forms_and_token_map(tmp_path):
     p_file = fd.load_params(fixture_dir("tiny-fp8") / "model.safetensors", cfg)
     assert fd.tree_diff(p_dir, p_file, atol=0).ok
     # the token map comes from tokenizer.json, is int64 [vocab], and is not a checkpoint tensor
-    tm = p_dir.get("engram_token_map")
-    if tm is not None:
-        assert tm.dtype == torch.int64 and tm.shape == (cfg.vocab_size,)
-        assert int(tm.max()) + 1 == cfg.engram_compressed_vocab_size
+    assert (fixture_dir("tiny-fp8") / "tokenizer.json").exists()
+    tm = p_dir["engram_token_map"]
+    assert tm.dtype == torch.int64 and tm.shape == (cfg.vocab_size,)
+    assert int(tm.max()) + 1 == cfg.engram_compressed_vocab_size
     fd.save_params(p_dir, tmp_path, cfg)  # ignored by save
     assert "engram_token_map" not in _raw(tmp_path / "model.safetensors")[0]
     back = fd.load_params(tmp_path, cfg)  # no tokenizer.json there -> no map
@@ -219,3 +219,163 @@ def test_hf_layout_fp8_wo_a_is_dequantised_on_load(tmp_path):
     assert torch.equal(got["weight"], want)
     assert torch.equal(p["layers"][3]["attn"]["wq_a"]["weight"].view(torch.uint8),
                        flat["layers.3.attn.wq_a.weight"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5])
+def test_interrupted_commit_leaves_one_whole_checkpoint(tmp_path, monkeypatch, crash_at):
+    """A save that dies while its files are moved into place (the n-th os.replace of the commit) leaves the
+    folder loading as the previous checkpoint or the new one, never a mix, and no temporary files; the shard
+    names of both saves are the same, so each new shard lands on a name the previous index uses."""
+    cfg = fd.Config.tiny()
+    p1, p2 = fd.init_params(cfg, seed=1), fd.init_params(cfg, seed=2)
+    fd.save_params(p1, tmp_path, cfg, max_shard_bytes=300_000)
+    n_files = len(os.listdir(tmp_path))
+    real, calls = os.replace, []
+
+    def flaky(a, b):
+        calls.append(b)
+        if len(calls) == crash_at:
+            raise OSError("crash (simulated)")
+        return real(a, b)
+
+    monkeypatch.setattr(ck.os, "replace", flaky)
+    with pytest.raises(OSError, match="simulated"):
+        fd.save_params(p2, tmp_path, cfg, max_shard_bytes=300_000)
+    monkeypatch.setattr(ck.os, "replace", real)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    got = fd.load_params(tmp_path, cfg)
+    assert fd.tree_diff(p1, got, atol=0).ok or fd.tree_diff(p2, got, atol=0).ok
+    # the next save completes and cleans up everything of the interrupted one
+    fd.save_params(p2, tmp_path, cfg, max_shard_bytes=300_000)
+    assert fd.tree_diff(p2, fd.load_params(tmp_path, cfg), atol=0).ok
+    assert len(os.listdir(tmp_path)) == n_files and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_saved_files_have_the_usual_mode(tmp_path):
+    cfg = fd.Config.tiny()
+    mask = os.umask(0o022)
+    try:
+        for f in fd.save_params(fd.init_params(cfg, seed=0), tmp_path, cfg, max_shard_bytes=300_000):
+            assert os.stat(f).st_mode & 0o777 == 0o644, f       # not mkstemp's 0600
+    finally:
+        os.umask(mask)
+
+
+def _corrupt(path, edit):
+    """Rewrite a safetensors file after ``edit(header, data) -> (header, data)``."""
+    with open(path, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        hdr, data = json.loads(fh.read(n)), fh.read()
+    hdr, data = edit(hdr, data)
+    raw = hdr if isinstance(hdr, bytes) else json.dumps(hdr).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _set(name, key, value):
+    def edit(h, d):
+        h[name][key] = value
+        return h, d
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h, d: (h, d[:-1]), r"past the end of the file .*truncated"),
+    (lambda h, d: (h, d[: len(d) // 2]), r"truncated"),
+    (lambda h, d: (h, d + b"\0" * 16), r"16 bytes after the last tensor"),
+    (lambda h, d: (b"{not json", d), r"not valid JSON"),
+    (lambda h, d: (b"[1, 2]", d), r"header is a JSON list"),
+    (_set("norm.weight", "dtype", "F99"), r"norm.weight: unknown dtype 'F99'"),
+    (_set("norm.weight", "data_offsets", None), r"norm.weight: data_offsets None"),
+    (_set("norm.weight", "shape", [7]), r"norm.weight: data_offsets .* hold 256 bytes, BF16 \[7\] needs 14"),
+])
+@pytest.mark.parametrize("strict", [True, False])
+def test_corrupt_file_named_and_refused(tmp_path, edit, match, strict):
+    cfg = fd.Config.tiny()
+    fd.save_params(fd.init_params(cfg, seed=0), tmp_path, cfg)
+    assert _raw(tmp_path / "model.safetensors")[0]["norm.weight"][:2] == ("BF16", [128])
+    _corrupt(tmp_path / "model.safetensors", edit)
+    with pytest.raises(CheckpointError, match=match) as e:
+        fd.load_params(tmp_path, cfg, strict=strict)
+    assert str(tmp_path / "model.safetensors") in str(e.value)
+
+
+def test_fp4_odd_logical_width_refused(tmp_path):
+    cfg = _cfg("tiny-fp8")
+    fd.save_params(fd.load_params(fixture_dir("tiny-fp8"), cfg), tmp_path, cfg)
+    h = _raw(tmp_path / "model.safetensors")[0]
+    name = next(n for n, (dt, _, _) in h.items() if dt == "F4")
+    shape = list(h[name][1])
+    _corrupt(tmp_path / "model.safetensors", _set(name, "shape", shape[:-1] + [shape[-1] + 1]))
+    with pytest.raises(CheckpointError, match=f"{name}: F4 shape .* needs an even last dimension"):
+        fd.load_params(tmp_path, cfg)
+
+
+@pytest.mark.parametrize("index, match", [
+    ("{\"weight_map\": {", "not valid JSON"),
+    ("", "not valid JSON"),
+    ("[1, 2]", "no 'weight_map' object"),
+    ('{"weight_map": {"embed.weight": 5}}', "weight_map values must be shard file names"),
+])
+def test_malformed_index_named(tmp_path, index, match):
+    cfg = fd.Config.tiny()
+    fd.save_params(fd.init_params(cfg, seed=0), tmp_path, cfg, max_shard_bytes=300_000)
+    (tmp_path / ck.INDEX).write_text(index)
+    with pytest.raises(CheckpointError, match=match) as e:
+        fd.load_params(tmp_path, cfg)
+    assert ck.INDEX in str(e.value)
+
+
+def test_shard_tensor_missing_from_index_is_unexpected(tmp_path):
+    cfg = fd.Config.tiny()
+    fd.save_params(fd.init_params(cfg, seed=0), tmp_path, cfg, max_shard_bytes=300_000)
+    index = json.loads((tmp_path / ck.INDEX).read_text())
+    shard = index["weight_map"]["embed.weight"]
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp_path / shard))
+    tensors["bogus.extra"] = torch.zeros(3)
+    save_file(tensors, str(tmp_path / shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"unexpected: bogus.extra \(in {shard}, not in the index\)"):
+        fd.load_params(tmp_path, cfg)
+
+
+def test_hub_snapshot_with_symlinked_shards_loads(tmp_path):
+    """A Hugging Face hub snapshot: snapshots/<rev>/<shard> are symlinks into ../../blobs."""
+    cfg = fd.Config.tiny()
+    p = fd.init_params(cfg, seed=0)
+    src = tmp_path / "src"
+    fd.save_params(p, src, cfg, max_shard_bytes=300_000)
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(os.listdir(src))):
+        os.replace(src / f, blobs / f"blob{i}")
+        os.symlink(os.path.relpath(blobs / f"blob{i}", snap), snap / f)
+    assert fd.tree_diff(p, fd.load_params(snap, cfg), atol=0).ok
+
+
+@pytest.mark.parametrize("scale", ["f32", "rows"])
+def test_hf_fp8_wo_a_scale_checked(tmp_path, scale):
+    from safetensors.torch import load_file, save_file
+
+    from functional_dsv41 import quant
+    d = fixture_dir("tiny-fp8")
+    cfg = fd.Config.from_json(d / "config.json")
+    hf = load_file(str(d / "model.safetensors"))
+    name = "layers.3.attn.wo_a.weight"
+    q, s = quant.quant_fp8_block(hf[name].float())
+    hf[name] = q
+    hf[name[: -len("weight")] + "scale"] = quant.e8m0_to_float(s) if scale == "f32" else torch.cat([s, s])
+    save_file(hf, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers.3.attn.wo_a.scale is (F32|F8_E8M0) .*expected F8_E8M0"):
+        fd.load_params(tmp_path, cfg)
+
+
+def test_token_map_checked(tmp_path):
+    d = fixture_dir("tiny-fp8")
+    cfg = fd.Config.from_json(d / "config.json")
+    with pytest.raises(FileNotFoundError, match="tokenizer .*nope.json does not exist"):
+        fd.load_params(d, cfg, tokenizer=tmp_path / "nope.json")
+    bad = cfg.replace(engram_compressed_vocab_size=cfg.engram_compressed_vocab_size - 1)
+    with pytest.raises(ValueError, match="compressed classes"):
+        fd.load_params(d, bad)

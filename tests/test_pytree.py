@@ -139,3 +139,20 @@ def test_tree_diff_quantized_by_value():
     d = fd.tree_diff({"s": s}, {"s": s2.view(quant.E8M0)})
     assert d.ok and "1 bytes differ" in d.rows[0].note
     assert not fd.tree_diff({"s": s}, {"s": s2.view(quant.E8M0)}, atol=1.0).ok
+
+
+def test_tree_diff_exact_values_infinities_integers_numpy_and_containers():
+    import numpy as np
+    t = torch.tensor([1.0, float("inf"), -float("inf"), float("nan")])
+    assert fd.tree_diff({"x": t}, {"x": t.clone()}, atol=0).ok                 # inf - inf is not a difference
+    d = fd.tree_diff({"x": t}, {"x": torch.tensor([1.0, -float("inf"), -float("inf"), float("nan")])}, atol=0)
+    assert [r.status for r in d.rows] == ["value"]
+    big = torch.tensor([2 ** 60], dtype=torch.int64)                          # apart by 1, equal in float64
+    d = fd.tree_diff({"i": big}, {"i": big + 1}, atol=0)
+    assert [(r.status, r.max_abs) for r in d.rows] == [("value", 1.0)]
+    a = np.arange(4.0)
+    assert fd.tree_diff({"n": a}, {"n": a.copy()}, atol=0).ok
+    d = fd.tree_diff({"n": a}, {"n": a + 0.5}, atol=0.1)
+    assert [(r.status, r.max_abs) for r in d.rows] == [("value", 0.5)]
+    d = fd.tree_diff({"l": [torch.ones(1)]}, {"l": {"0": torch.ones(1)}})      # same leaf path, other container
+    assert not d.ok and [(r.path, r.status, r.note) for r in d.problems()] == [("l", "type", "list vs dict")]

@@ -82,3 +82,19 @@ def test_interrupted_save_keeps_last_good(tmp_path):
     p, _ = _state(1)
     assert r["step"] == 1 and all(_same(r["params"][k].contiguous(), p[k]) for k in p)
     ck.close()
+
+
+def test_scalars_repeated_steps_and_bad_data_state(tmp_path):
+    import pytest
+    ck = TrainCheckpointer(str(tmp_path), async_save=False)
+    opt = {"count": 0, "mu": {}, "nu": {}}
+    ck.save(5, params={"loss_scale": torch.tensor(1024.0), "w": torch.zeros(3)}, opt_state=opt, data_state={})
+    r = ck.restore(5)["params"]
+    assert r["loss_scale"].shape == () and float(r["loss_scale"]) == 1024.0     # 0-dim stays 0-dim
+    with pytest.raises(ValueError, match="step 5 is already saved"):
+        ck.save(5, params={"w": torch.ones(3)}, opt_state=opt, data_state={})
+    assert torch.equal(ck.restore(5)["params"]["w"], torch.zeros(3))
+    with pytest.raises(TypeError, match="data_state and extra must be JSON values"):
+        ck.save(6, params={"w": torch.ones(3)}, opt_state=opt, data_state={"offset": torch.tensor(3)})
+    assert ck.all_steps() == [5]
+    ck.close()

@@ -20,6 +20,7 @@ the last good checkpoint (tests/test_train_checkpoint.py kills a process inside 
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional
 
@@ -84,6 +85,15 @@ class TrainCheckpointer:
              data_state: dict, rng_state: Optional[torch.Tensor] = None, extra: Optional[dict] = None) -> None:
         """Start saving the train state of ``step`` (returns once the arrays are copied to numpy)."""
         ocp = self._ocp
+        # (no manager.reload() here: it would drop the pending saves that max_to_keep counts)
+        if int(step) in self.manager.all_steps() or os.path.isdir(os.path.join(self.directory, str(int(step)))):
+            raise ValueError(f"TrainCheckpointer.save: step {int(step)} is already saved in {self.directory} "
+                             f"(orbax would skip it silently); restore it or save under another step")
+        for what, tree in (("params", params), ("opt_state['mu']", opt_state["mu"]), ("opt_state['nu']", opt_state["nu"])):
+            bad = [k for k, v in _flatten(tree).items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise TypeError(f"TrainCheckpointer.save: {what} must be a (nested) dict of tensors; not tensors: "
+                                f"{bad[:5]}")
         tensors = {"params": params, "opt": {"mu": opt_state["mu"], "nu": opt_state["nu"]}}
         if rng_state is not None:
             tensors["rng"] = {"torch": rng_state}
@@ -91,6 +101,11 @@ class TrainCheckpointer:
         meta = {"step": int(step), "opt_count": int(opt_state["count"]), "data": dict(data_state),
                 "dtypes": {k: _dtype_name(v.dtype) for k, v in flat.items()},
                 "shapes": {k: list(v.shape) for k, v in flat.items()}, "extra": extra or {}}
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"TrainCheckpointer.save: data_state and extra must be JSON values (numbers, strings, "
+                            f"lists, dicts): {e}") from None
         arrays = {k: to_numpy(v) for k, v in flat.items()}
         self.manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                              meta=ocp.args.JsonSave(meta)))
@@ -124,7 +139,8 @@ class TrainCheckpointer:
         template = {k: np.zeros(meta["shapes"][k], dtype=to_numpy(torch.zeros((), dtype=getattr(torch, d))).dtype)
                     for k, d in meta["dtypes"].items()}
         arrays = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))).state
-        t = {k: from_numpy(np.asarray(arrays[k]), d) for k, d in meta["dtypes"].items()}
+        # reshape: np.ascontiguousarray makes a 0-dim array 1-dim
+        t = {k: from_numpy(np.asarray(arrays[k]), d).reshape(meta["shapes"][k]) for k, d in meta["dtypes"].items()}
 
         def sub(prefix):
             return {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
