@@ -49,6 +49,46 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s:
     return acc[:M].to(out_dtype).reshape(*lead, b.shape[0])
 
 
+def _shape_error(op: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{op}: " + "; ".join(problems))
+
+
+def check_fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                   block_size: int = 32) -> None:
+    """fp8_gemm's operand shapes (every implementation checks them before it runs): a [..., K], a_s [...,
+    K/bs], b [N, K], b_s [ceil(N/bs), K/bs]. A scale of another shape would broadcast into a wrong product."""
+    K, N = a.shape[-1], b.shape[0] if b.dim() else 0
+    p = []
+    if b.dim() != 2 or b.shape[-1] != K:
+        p.append(f"b must be [N, K={K}] like a's last dim, got {list(b.shape)}")
+    elif K % block_size:
+        p.append(f"K={K} is not a multiple of the block size {block_size}")
+    elif tuple(a_s.shape) != (*a.shape[:-1], K // block_size):
+        p.append(f"a_s must be {[*a.shape[:-1], K // block_size]} (one scale per {block_size} of a's K), "
+                 f"got {list(a_s.shape)}")
+    elif tuple(b_s.shape) != (-(-N // block_size), K // block_size):
+        p.append(f"b_s must be [{-(-N // block_size)}, {K // block_size}] (one scale per {block_size} x "
+                 f"{block_size} block of b [{N}, {K}]), got {list(b_s.shape)}")
+    _shape_error("fp8_gemm", p)
+
+
+def check_fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+                   act_block_size: int = 32) -> None:
+    """fp4_gemm's operand shapes: a [..., K], a_s [..., K/act_block_size], b packed [N, K/2], b_s [N, K/32]."""
+    K = a.shape[-1]
+    p = []
+    if b.dim() != 2 or 2 * b.shape[-1] != K:
+        p.append(f"b must be packed e2m1 [N, K/2={K // 2}] for a's K={K}, got {list(b.shape)}")
+    elif K % 32 or K % act_block_size:
+        p.append(f"K={K} is not a multiple of 32 and of act_block_size {act_block_size}")
+    elif tuple(a_s.shape) != (*a.shape[:-1], K // act_block_size):
+        p.append(f"a_s must be {[*a.shape[:-1], K // act_block_size]}, got {list(a_s.shape)}")
+    elif tuple(b_s.shape) != (b.shape[0], K // 32):
+        p.append(f"b_s must be [{b.shape[0]}, {K // 32}] (one scale per 32 of each row of b), got {list(b_s.shape)}")
+    _shape_error("fp4_gemm", p)
+
+
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
     """C = A @ B^T with block scales (SPEC §10.3).
@@ -56,9 +96,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     a e4m3 [..., K] with a_s [..., K/bs]; b e4m3 [N, K] with b_s [ceil(N/bs), K/bs].
     fp32 accumulation of the scaled K-block partial products, in K order.
     """
-    K = a.shape[-1]
-    if b.shape[-1] != K or K % block_size:
-        raise ValueError(f"fp8_gemm: a has K={K}, b has K={b.shape[-1]} (block {block_size})")
+    check_fp8_gemm(a, a_s, b, b_s, block_size)
     N = b.shape[0]
     bs = _scales_to_float(b_s).repeat_interleave(block_size, 0)[:N]
     return _block_scaled_gemm(a.float(), _scales_to_float(a_s), b.float(), bs, block_size, out_dtype)
@@ -68,10 +106,8 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
              scale_dtype=quant.E8M0, act_block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
     """C = A @ fp4(B)^T (SPEC §10.4): a e4m3 [..., K] with per-act_block_size scales; b packed e2m1
     [N, K/2] with e8m0 [N, K/32]."""
-    K = a.shape[-1]
+    check_fp4_gemm(a, a_s, b, b_s, act_block_size)
     w = quant.fp4_unpack_decode(b)
-    if w.shape[-1] != K:
-        raise ValueError(f"fp4_gemm: a has K={K}, b has K={w.shape[-1]}")
     a_s32 = _scales_to_float(a_s).repeat_interleave(act_block_size // 32, -1)
     return _block_scaled_gemm(a.float(), a_s32, w, _scales_to_float(b_s), 32, out_dtype)
 
@@ -106,16 +142,38 @@ def fp4_gemm_grouped(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, scale_d
     return torch.cat(outs)
 
 
+def check_sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor) -> None:
+    """sparse_attn's operand shapes and index dtype (every implementation checks them before it runs)."""
+    p = []
+    if q.dim() != 4 or kv.dim() != 3 or topk_idxs.dim() != 3:
+        p.append(f"q must be [B, M, H, D], kv [B, N, D], topk_idxs [B, M, T]; got {list(q.shape)}, "
+                 f"{list(kv.shape)}, {list(topk_idxs.shape)}")
+    else:
+        B, M, H, D = q.shape
+        if kv.shape[0] != B or kv.shape[2] != D:
+            p.append(f"kv must be [B={B}, N, D={D}] for q {list(q.shape)}, got {list(kv.shape)}")
+        if tuple(topk_idxs.shape[:2]) != (B, M):
+            p.append(f"topk_idxs must be [B={B}, M={M}, T] for q {list(q.shape)}, got {list(topk_idxs.shape)}")
+        if tuple(attn_sink.shape) != (H,):
+            p.append(f"attn_sink must be [H={H}], got {list(attn_sink.shape)}")
+    if topk_idxs.dtype.is_floating_point or topk_idxs.dtype.is_complex or topk_idxs.dtype == torch.bool:
+        p.append(f"topk_idxs must be an integer tensor, got {topk_idxs.dtype}")
+    _shape_error("sparse_attn", p)
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
                 softmax_scale: float, block: int = 64) -> torch.Tensor:
     """Single shared KV head attention over index lists (SPEC §10.5).
 
     q [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), attn_sink [H] fp32, topk_idxs [B, M, T] int
-    (-1 = none). Online softmax over index blocks of ``block`` exactly as the release kernel runs it:
-    running max starts at -1e30 (an all-invalid row returns 0), probabilities are cast to bf16 before
+    (-1 = none; every negative index is a hole, as in the kernels, whose bounds check skips it). Online softmax
+    over index blocks of ``block`` exactly as the release kernel runs it: running max starts at -1e30 (an
+    all-invalid row returns 0, and its sink gets a zero gradient), probabilities are cast to bf16 before
     P @ V, the sink adds ``exp(sink - m)`` to the denominator only. Returns o [B, M, H, D] bf16.
-    (fp32 q/kv - the unquantised fp32 model used for gradient checks - keep fp32 probabilities and output.)
+    (fp32 q/kv - the unquantised fp32 model used for gradient checks - keep fp32 probabilities and output;
+    the arithmetic is fp32 whatever the input dtype.)
     """
+    check_sparse_attn(q, kv, attn_sink, topk_idxs)
     B, M, H, D = q.shape
     T = topk_idxs.shape[-1]
     qf = q.float()
@@ -135,7 +193,11 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + torch.einsum("bmht,bmtd->bmhd", p.to(q.dtype).float(), kv_t.float())
         m = m_new
-    l = l + torch.exp(attn_sink.float() - m)
+    # an all-hole row keeps m = -1e30: the release's exp(sink - m) is then inf and o = 0 / inf = 0. The same 0
+    # with a finite denominator (1), so that the backward does not form 0 * inf = NaN for the sink's gradient
+    seen = m > -1e30
+    sink = torch.where(seen, torch.exp(torch.where(seen, attn_sink.float() - m, 0.0)), 1.0)
+    l = l + sink
     return (acc / l[..., None]).to(q.dtype)
 
 

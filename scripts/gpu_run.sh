@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 SECONDS COMMAND [COMMAND ...]" >&2; exit 2; }
 limit=$1; shift
 case $limit in ''|*[!0-9]*) echo "gpu_run.sh: SECONDS must be a whole number, got '$limit'" >&2; exit 2;; esac
-source scripts/gpu_env.sh >/dev/null 2>&1
+source scripts/gpu_env.sh >/dev/null || { echo "gpu_run.sh: the GPU environment is not set up (above); nothing run" >&2; exit 1; }
 export PYTHONUNBUFFERED=1
 log=${OUT:+$OUT/gpu_run.log}
 summary=()

@@ -159,3 +159,75 @@ def test_fp4_gemm_grouped_rejects_bad_groups():
         K.fp4_gemm_grouped(a, a_s, b, b_s, [2, 3, 0], impl="torch")
     with pytest.raises(ValueError, match="2 weights, 1 scales"):
         K.fp4_gemm_grouped(a, a_s, b, b_s[:1], [2, 3], impl="torch")
+
+
+def test_sparse_attn_all_hole_row_has_zero_output_and_finite_gradients():
+    """An all-hole row: o = 0 (the release's 0 / inf), and it adds nothing to any gradient; in particular
+    dsink is that of the same inputs without the row (it was NaN: 0 * inf through exp(sink + 1e30))."""
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(1, 3, 2, 8, generator=g), torch.randn(1, 5, 8, generator=g)
+    sink = torch.randn(2, generator=g)
+    idx = torch.tensor([[[0, 1, 2], [-1, -1, -1], [4, 3, -1]]])
+    w = torch.randn(1, 3, 2, 8, generator=g)
+
+    def loss(q_, kv_, s_, i_, w_):
+        return (K.sparse_attn(q_, kv_, s_, i_, 0.3, impl="torch") * w_).sum()
+
+    o = K.sparse_attn(q, kv, sink, idx, 0.3, impl="torch")
+    assert (o[0, 1] == 0).all()
+    dq, dkv, ds = torch.func.grad(loss, argnums=(0, 1, 2))(q, kv, sink, idx, w)
+    assert torch.isfinite(ds).all() and (dq[0, 1] == 0).all()
+    keep = [0, 2]
+    dq2, dkv2, ds2 = torch.func.grad(loss, argnums=(0, 1, 2))(q[:, keep], kv, sink, idx[:, keep], w[:, keep])
+    torch.testing.assert_close(ds, ds2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dkv, dkv2, rtol=1e-6, atol=1e-7)
+    qa, kva, sa = (t.clone().requires_grad_() for t in (q, kv, sink))
+    loss(qa, kva, sa, idx, w).backward()
+    torch.testing.assert_close(sa.grad, ds)
+
+
+def test_operand_shapes_refused_before_running():
+    g = torch.Generator().manual_seed(0)
+    a, a_s = Q.act_quant(torch.randn(5, 64, generator=g).bfloat16(), 32, "ue8m0", Q.E8M0)
+    W = torch.randn(40, 64, generator=g)
+    w4, s4 = Q.quant_fp4(W)
+    with pytest.raises(ValueError, match=r"fp4_gemm: b_s must be \[40, 2\]"):
+        K.fp4_gemm(a, a_s, w4, s4[:, :1], impl="torch")              # would broadcast over the K blocks
+    w8, s8 = Q.quant_fp8_block(W)
+    K.fp8_gemm(a, a_s, w8, s8, impl="torch")
+    _, per_row = Q.act_quant(W.bfloat16(), 32, "ue8m0", Q.E8M0)     # [40, 2]: per row, not per 32 x 32 block
+    with pytest.raises(ValueError, match=r"fp8_gemm: b_s must be \[2, 2\]"):
+        K.fp8_gemm(a, a_s, w8, per_row, impl="torch")
+    with pytest.raises(ValueError, match=r"fp8_gemm: a_s must be \[5, 2\]"):
+        K.fp8_gemm(a, a_s[:, :1], w8, s8, impl="torch")
+    with pytest.raises(ValueError, match=r"fp8_gemm: b must be \[N, K=64\]"):
+        K.fp8_gemm(a, a_s, w8[:, :32], s8, impl="torch")
+    q, sink = torch.randn(1, 3, 2, 16).bfloat16(), torch.zeros(2)
+    idx = torch.tensor([[[0, 1], [2, -1], [4, 3]]])
+    for kv, i, s, match in [(torch.randn(2, 5, 16).bfloat16(), idx, sink, r"kv must be \[B=1"),
+                            (torch.randn(1, 5, 8).bfloat16(), idx, sink, r"kv must be \[B=1, N, D=16\]"),
+                            (torch.randn(1, 5, 16).bfloat16(), idx[:, :2], sink, r"topk_idxs must be \[B=1, M=3"),
+                            (torch.randn(1, 5, 16).bfloat16(), idx, torch.zeros(1), r"attn_sink must be \[H=2\]"),
+                            (torch.randn(1, 5, 16).bfloat16(), idx.float(), sink, "must be an integer tensor")]:
+        with pytest.raises(ValueError, match=match):
+            K.sparse_attn(q, kv, s, i, 0.25, impl="torch")
+
+
+def test_auto_sees_keyword_tensors_and_the_signature(monkeypatch):
+    import inspect
+
+    class FakeCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    seen, real = [], K.resolve
+    monkeypatch.setattr(K, "resolve", lambda n, impl=None, on_cuda=True: (seen.append(on_cuda), real(n, "torch"))[1])
+    args = [torch.randn(1, 3, 2, 16).bfloat16(), torch.randn(1, 5, 16).bfloat16(), torch.zeros(2),
+            torch.tensor([[[0, 1], [2, -1], [4, 3]]])]
+    q, kv, s, i = (t.as_subclass(FakeCuda) for t in args)
+    K.sparse_attn(q, kv, s, i, 0.25, impl="auto")
+    K.sparse_attn(q=q, kv=kv, attn_sink=s, topk_idxs=i, softmax_scale=0.25, impl="auto")
+    assert seen == [True, True]
+    params = inspect.signature(K.sparse_attn).parameters
+    assert list(params)[:5] == ["q", "kv", "attn_sink", "topk_idxs", "softmax_scale"] and "impl" in params
