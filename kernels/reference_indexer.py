@@ -27,7 +27,8 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, lo: torch.Te
     """I[b, t, j] = sum_h w[b, t, h] * ReLU(q[b, t, h] . k[b, j]), -inf outside [lo, hi) and outside cand.
 
     q [b, s, Hi, Di], k [b, n, Di], w [b, s, Hi] (bf16 in the model; fp32 for gradient checks),
-    lo, hi [b, s] int, cand [b, s, n] bool or None. Returns [b, s, n] in q's dtype.
+    lo, hi [b, s] int, cand [b, s, n] bool or None. Returns [b, s, n] in the promoted dtype of q and w (bf16 in
+    the model, where both are bf16).
 
     Numerics are the release's bf16 einsum chain, op for op: each per-head dot product (fp32
     accumulate) rounded to bf16, ReLU, the product with w rounded to bf16, then the sum over heads
