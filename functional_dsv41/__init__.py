@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 
 from .config import Config, ConfigError
 
@@ -54,6 +55,7 @@ _LAZY = {
     "forward": "functional_dsv41.model",
     "ForwardOutput": "functional_dsv41.model",
     "init_state": "functional_dsv41.state",
+    "clone_state": "functional_dsv41.state",
     "DecodeState": "functional_dsv41.state",
     "generate": "functional_dsv41.generate",
     "dspark_forward": "functional_dsv41.dspark",
@@ -74,3 +76,23 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(list(globals()) + list(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: keeps ``fd.generate`` the function.
+
+    ``functional_dsv41/generate.py`` (the module that holds it and the documented ``python -m
+    functional_dsv41.generate`` CLI) has the function's name, and the import system binds every
+    loaded submodule as an attribute of its package. Whatever the import order, that binding would
+    replace the function by the module; it is dropped here, so ``fd.generate`` resolves through the
+    lazy table above. The module itself stays reachable as ``sys.modules["functional_dsv41.generate"]``
+    and through ``from functional_dsv41.generate import ...``.
+    """
+
+    def __setattr__(self, name, value):
+        if name in _LAZY and isinstance(value, types.ModuleType):    # every lazy public name is a
+            return                                                   # function or class, never a module
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

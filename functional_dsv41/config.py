@@ -199,9 +199,11 @@ class Config:
             elif t == "int":
                 if not isinstance(v, int) or isinstance(v, bool):
                     bad(f.name, f"expected an integer, got {v!r}")
-            elif t == "float":
+            elif t in ("float", "Optional[float]"):
+                if t == "Optional[float]" and v is None:
+                    continue
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                    bad(f.name, f"expected a finite number, got {v!r}")
+                    bad(f.name, f"expected a finite number{' or null' if t != 'float' else ''}, got {v!r}")
             elif t == "bool":
                 if not isinstance(v, bool):
                     bad(f.name, f"expected true/false, got {v!r}")
@@ -236,6 +238,26 @@ class Config:
             bad("score_func", f"must be softmax, sigmoid or sqrtsoftplus, got {self.score_func!r}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
+        # numbers the model divides by or takes the log of: outside these ranges forward returns NaN / inf
+        for name in ("rope_theta", "compress_rope_theta", "vision_rope_theta"):
+            if getattr(self, name) <= 1:
+                bad(name, f"must be > 1 (a RoPE base: frequencies base^(-2i/d) fall with i, YaRN divides by "
+                          f"log(base)), got {getattr(self, name)}")
+        for name, why in (("rope_factor", "YaRN divides the low frequencies by it"),
+                          ("beta_fast", "YaRN takes log(original_seq_len / (2 pi beta_fast))"),
+                          ("beta_slow", "YaRN takes log(original_seq_len / (2 pi beta_slow))"),
+                          ("norm_eps", "RMSNorm takes rsqrt(mean(x^2) + norm_eps)"),
+                          ("gate_temp", "the router logits are divided by it")):
+            if getattr(self, name) <= 0:
+                bad(name, f"must be > 0 ({why}), got {getattr(self, name)}")
+        if self.original_seq_len < 1:
+            bad("original_seq_len", f"must be >= 1 (YaRN takes log(original_seq_len / ...)), "
+                                    f"got {self.original_seq_len}")
+        if self.hc_eps < 0:
+            bad("hc_eps", f"must be >= 0 (added to the hyper-connection mixes before they are normalised), "
+                          f"got {self.hc_eps}")
+        if self.vision_max_wh_ratio is not None and self.vision_max_wh_ratio <= 0:
+            bad("vision_max_wh_ratio", f"must be null or > 0 (an aspect ratio), got {self.vision_max_wh_ratio}")
         if self.n_activated_experts > self.n_routed_experts:
             bad("n_activated_experts", f"{self.n_activated_experts} > n_routed_experts {self.n_routed_experts}")
         if self.n_mtp_layers and self.dspark_n_activated_experts > self.dspark_n_routed_experts:

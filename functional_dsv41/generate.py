@@ -18,10 +18,14 @@ BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row st
 from __future__ import annotations
 
 import argparse
+import math
+import numbers
+import operator
 import sys
 import time
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .config import Config
@@ -39,21 +43,41 @@ class GenerateResult(list):
     stats: dict
 
 
+def _token_id(t, vocab_size: int) -> Optional[int]:
+    """t as a token id (Python, numpy or 0-d torch integer in [0, vocab_size)), else None."""
+    if isinstance(t, (bool, np.bool_)):
+        return None
+    try:
+        t = operator.index(t)
+    except TypeError:
+        return None
+    return t if 0 <= t < vocab_size else None
+
+
 def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Optional[int]):
-    if isinstance(prompts, torch.Tensor):
-        prompts = [prompts] if prompts.dim() == 1 else list(prompts)
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        prompts = [prompts] if prompts.ndim == 1 else list(prompts)
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("generate: prompts must be a non-empty list of token-id sequences")
     out = []
     for i, p in enumerate(prompts):
-        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim == 1:
+            p = p.tolist()
+        elif isinstance(p, (str, bytes, torch.Tensor, np.ndarray)) or not hasattr(p, "__iter__"):
+            hint = " - for a single prompt pass [ids]" if _token_id(p, 1 << 62) is not None else ""
+            raise ValueError(f"generate: prompts must be a list of token-id lists (one list per prompt); "
+                             f"prompt {i} is {p!r}{hint}")
+        else:
+            p = list(p)
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty (a prompt needs at least one token, e.g. BOS)")
-        if not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in p):
-            bad = next(t for t in p if not (isinstance(t, int) and 0 <= t < cfg.vocab_size))
-            raise ValueError(f"generate: prompt {i} holds {bad!r}, not a token id in [0, {cfg.vocab_size})")
-        out.append(p)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        ids = [_token_id(t, cfg.vocab_size) for t in p]
+        if None in ids:
+            bad = p[ids.index(None)]
+            raise ValueError(f"generate: prompt {i} holds {bad!r}, not a token id "
+                             f"(an integer in [0, {cfg.vocab_size}))")
+        out.append(ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     total = max(len(p) for p in out) + max_new_tokens
     if max_seq_len is not None and total > max_seq_len:
@@ -69,7 +93,8 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
              images=None, token_types=None) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
-    prompts: list of token-id lists (or 1-D tensors / a [b, s] tensor); temperature 0 = greedy, else
+    prompts: list of token-id lists (Python / numpy / torch integers; or 1-D tensors or arrays, or one
+    [b, s] tensor or array); temperature 0 = greedy, else
     sampling from softmax(logits / T) restricted to the top-p nucleus (``dspark.probs``) with a
     ``torch.Generator`` seeded by ``seed``; eos_id: a row stops when it samples it (not included);
     speculative: DSpark draft + one verify forward per step (needs ``cfg.n_mtp_layers`` and ``params["mtp"]``),
@@ -83,8 +108,8 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     prefill chunk (the shortest prompt), as in the reference. Returns a ``GenerateResult``.
     """
     prompts, total = _prep_prompts(prompts, cfg, max_new_tokens, max_seq_len)
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if not _real(temperature) or not _real(top_p) or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
     if cfg.engram_layer_ids and "engram_token_map" not in params:
         raise ValueError("generate: the config has Engram layers but params lack 'engram_token_map' "
                          "(fd.load_params builds it from the checkpoint's tokenizer.json)")
@@ -119,8 +144,14 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     return res
 
 
+def _real(x) -> bool:
+    """A finite real number (not a bool, NaN or inf): a NaN temperature would sample garbage silently."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _image_batch(prompts, images, token_types, n0, cfg, dev) -> dict:
-    """Batch entries of the first (prefill) chunk for image prompts; refuses spans past that chunk."""
+    """Batch entries of the first (prefill) chunk for image prompts; refuses spans past that chunk and
+    image spans without images (either one alone would silently run the image tokens as text)."""
     if token_types is None:
         raise ValueError("generate: images need token_types (image_processor.expand_image_tokens gives both)")
     if len(token_types) != len(prompts):
@@ -130,6 +161,8 @@ def _image_batch(prompts, images, token_types, n0, cfg, dev) -> dict:
         t = torch.as_tensor(t, dtype=torch.long)
         if t.shape != (len(p),):
             raise ValueError(f"generate: token_types row {i} has shape {tuple(t.shape)}, its prompt {len(p)} tokens")
+        if images is None and bool((t >= 0).any()):
+            raise ValueError(f"generate: token_types row {i} marks image positions (>= 0) but no images were given")
         if bool((t[n0:] >= 0).any()):
             raise ValueError(f"generate: row {i} has image tokens past position {n0} (the shortest prompt); "
                              "image spans must lie in the first prefill chunk")
@@ -262,26 +295,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     from pathlib import Path
 
+    def fail(msg: str) -> int:                  # bad input: one line and exit status 2, as argparse does
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+    if args.max_new_tokens < 1:
+        return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        return fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    for f in args.image:
+        if not Path(f).is_file():
+            return fail(f"--image {f}: no such file")
+    ck = Path(args.ckpt)
+    if not (ck / "config.json").is_file() or not (ck / "tokenizer.json").is_file():
+        return fail(f"{ck} needs config.json and tokenizer.json")
+    try:
+        cfg = Config.from_json(ck / "config.json")
+    except ValueError as e:                      # ConfigError
+        return fail(str(e))
+    pics = []
+    if args.image:
+        from .image_processor import load_image
+        if not cfg.vision_enabled:
+            return fail(f"--image: the checkpoint's config has no vision tower (vision_n_layers = "
+                        f"{cfg.vision_n_layers})")
+        for f in args.image:
+            try:
+                pics.append(load_image(Path(f).read_bytes(), cfg))
+            except Exception as e:               # whatever the decoder says about a file it cannot read
+                return fail(f"--image {f}: cannot read it as an image ({type(e).__name__}: {e})")
+
     from tokenizers import Tokenizer
 
     from .params import load_params
-    ck = Path(args.ckpt)
-    if not (ck / "config.json").is_file() or not (ck / "tokenizer.json").is_file():
-        print(f"error: {ck} needs config.json and tokenizer.json", file=sys.stderr)
-        return 2
-    cfg = Config.from_json(ck / "config.json")
-    params = load_params(ck, cfg)
+    try:
+        params = load_params(ck, cfg)
+    except (ValueError, OSError) as e:           # CheckpointError and unreadable files
+        return fail(str(e))
     tok = Tokenizer.from_file(str(ck / "tokenizer.json"))
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
     eos = tok.token_to_id("<｜end▁of▁sentence｜>")
     images = token_types = None
     if args.image:
-        from .image_processor import expand_image_tokens, load_image
+        from .image_processor import expand_image_tokens
         if cfg.image_token_id not in ids:
             ids = [cfg.image_token_id] * len(args.image) + ids
-        pics = [load_image(Path(f).read_bytes(), cfg) for f in args.image]
-        ids, types = expand_image_tokens(ids, [grid for _, grid in pics], cfg)
+        try:
+            ids, types = expand_image_tokens(ids, [grid for _, grid in pics], cfg)
+        except ValueError as e:                  # image tokens in the prompt vs --image count
+            return fail(str(e))
         ids = ids.tolist()
     if not args.no_bos and bos is not None:
         ids = [bos] + ids
@@ -289,8 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         token_types = [[-1] * (len(ids) - len(types)) + types.tolist()]
         images = [pics]
     if not ids:
-        print("error: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
+        return fail("the prompt encodes to no tokens")
     sofar: list[int] = []
     shown = [""]
 

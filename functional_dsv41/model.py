@@ -32,7 +32,7 @@ from .invariant import linear_rows
 from .moe import moe
 from .norm import rms_norm
 from .pytree import register_carrier
-from .state import DecodeState, SharedAttention, config_id
+from .state import DecodeState, SharedAttention, begin_append, check_current, config_id, finish_append
 
 
 @register_carrier
@@ -78,6 +78,36 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
         d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
         debug.update({f"layer.{layer_id}.{k}": v for k, v in d.items()})
     return h, f_pre, cache, shared
+
+
+def _check_state(state) -> None:
+    """Checks that cost no device work, run even with ``validate=False``: a wrong object in ``state=``
+    (e.g. the ForwardOutput instead of its ``.state``) and a stale state (state.py, "Branching")."""
+    if state is None:
+        return
+    if not isinstance(state, DecodeState):
+        hint = " (pass out.state, not the ForwardOutput)" if isinstance(state, ForwardOutput) else ""
+        raise TypeError(f"forward: state must be a DecodeState (fd.init_state) or None, got "
+                        f"{type(state).__name__}{hint}")
+    check_current(state, "forward")
+
+
+def _check_token_types(batch: dict, data: bool) -> None:
+    """token_types: an integer tensor shaped like input_ids. ``data`` (a device sync): image positions
+    (>= 0) need images, as images need token_types (vision.merge_image_embeddings) - spans without
+    images would silently run as text tokens with the image routing bias and Engram gating."""
+    tt, ids = batch.get("token_types"), batch["input_ids"]
+    if tt is None:
+        return
+    if not isinstance(tt, torch.Tensor) or tt.is_floating_point() or tt.is_complex() or tt.dtype == torch.bool:
+        got = tt.dtype if isinstance(tt, torch.Tensor) else type(tt).__name__
+        raise TypeError(f"forward: token_types must be an integer tensor [b, s] (-1 text, 0..3 image span), "
+                        f"got {got}")
+    if tuple(tt.shape) != tuple(ids.shape):
+        raise ValueError(f"forward: token_types {tuple(tt.shape)} must match input_ids {tuple(ids.shape)}")
+    if data and batch.get("images") is None and bool((tt >= 0).any()):
+        raise ValueError("forward: token_types marks image positions (>= 0) but batch has no 'images' "
+                         "(one entry per row, image_processor.load_image); text positions are -1")
 
 
 def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
@@ -157,9 +187,18 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     KL loss, ``attention.indexer_kl_terms``). ``block_wrapper``: applied to the per-block function
     (``block_wrapper(block)(p, h, pre, ...)``), e.g. activation checkpointing (``train.step.remat``).
     ``debug``: a dict to receive intermediate tensors keyed like the golden files.
+
+    State: the returned ``out.state`` continues ``state``; ``state`` itself stays valid (shorter).
+    The compressed-KV histories are preallocated buffers shared along a history (no copy per step),
+    so growing a state again overwrites what its earlier continuations wrote: those continuations
+    (every state of the history past ``state.pos``) become stale, and passing one to ``forward``
+    raises a ValueError saying so. To keep two futures of one state, branch with
+    ``fd.clone_state(state)`` (one copy of the buffers) and grow one future from each copy.
     """
+    _check_state(state)
     if validate:
         _check_inputs(params, batch, cfg, state)
+    _check_token_types(batch, data=validate)
     ids = batch["input_ids"].long()
     b, s = ids.shape
     dev = ids.device
@@ -190,6 +229,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     pre[..., 0] = 1.0
     shared = SharedAttention()
     caches = list(state.layers) if state is not None else [None] * cfg.n_layers
+    # staleness bookkeeping (state.py "Branching"): after the input checks, before the first history write
+    stamps = begin_append(state, start + s) if state is not None else None
     main_hidden, hidden, pre_mix = [], {}, {}
     aux_indexer = {} if aux else None
     run_block = block if block_wrapper is None else block_wrapper(block)
@@ -216,7 +257,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     logits = linear_rows(x.float(), params["head"]["weight"].float())
     new_state = None
     if state is not None:
-        new_state = dataclasses.replace(state, pos=start + s, layers=tuple(caches), ngram=ngram)
+        new_state = dataclasses.replace(state, pos=start + s, layers=finish_append(caches, stamps), ngram=ngram)
     mh = torch.cat(main_hidden, -1) if main_hidden else None
     if debug is not None and mh is not None:
         debug["main_hidden"] = mh

@@ -12,11 +12,22 @@ entries into the preallocated buffer at rows ``>= n_compressed`` of the state it
 a state with a larger count; rows below the old count are never touched, so the old state stays a
 valid (shorter) state. Rolling back (speculative decoding) is taking an older state: histories are
 cut back by length, never cloned. Bounded pieces (window ring, partial group, n-gram tail) are new
-tensors in every returned state. Two futures may not be grown from one state at the same time.
+tensors in every returned state.
+
+Branching. Growing a state S again (a second continuation, a regenerated answer, a speculative
+re-run) overwrites the history rows that the earlier continuations of S wrote, so every state of
+that history that has gone past ``S.pos`` is then stale. Copying the buffers on every step would
+make decode slower, so instead staleness is tracked on the host (``_Stamp``, no device work) and a
+stale state is refused with an error by ``forward``; states at or before ``S.pos`` (S itself, its
+ancestors) stay valid. To keep two futures alive, branch with ``clone_state`` (copies the buffers
+once). The bookkeeping follows the buffer tensors, so it also covers the states that
+``speculative.rollback`` assembles from another state's buffers.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,6 +99,10 @@ class DecodeState:
     def replace(self, **kw) -> "DecodeState":
         return dataclasses.replace(self, **kw)
 
+    def clone(self) -> "DecodeState":
+        """``clone_state(self)``: an independent copy to grow a second future from."""
+        return clone_state(self)
+
 
 def config_id(cfg: Config) -> str:
     """A short fingerprint of the config a state was built for (refuse a state from another model)."""
@@ -98,9 +113,8 @@ def config_id(cfg: Config) -> str:
 
 def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, *, device=None) -> DecodeState:
     """An empty state for ``batch_size`` rows of up to ``max_seq_len`` tokens (default cfg.max_seq_len)."""
-    max_seq_len = max_seq_len or cfg.max_seq_len
-    if batch_size < 1 or max_seq_len < 1:
-        raise ValueError(f"init_state: batch_size and max_seq_len must be >= 1, got {batch_size}, {max_seq_len}")
+    batch_size = _positive_int("batch_size", batch_size)
+    max_seq_len = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
     b, W, D = batch_size, cfg.window_size, cfg.head_dim
     bf16 = torch.bfloat16
 
@@ -133,3 +147,114 @@ def state_bytes(state: DecodeState) -> int:
     """Bytes held by a state's tensors."""
     import torch.utils._pytree as tp
     return sum(t.numel() * t.element_size() for t in tp.tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+def _positive_int(name: str, v) -> int:
+    """``v`` as an int >= 1 (Python, numpy or 0-d torch integers); refuses bools, floats and 0 (which
+    would otherwise mean "the default" or fail deep inside torch)."""
+    try:
+        n = operator.index(v)
+    except TypeError:
+        n = None
+    if n is None or isinstance(v, bool) or n < 1:
+        raise ValueError(f"init_state: {name} must be an integer >= 1, got {v!r}")
+    return n
+
+
+def clone_state(state: DecodeState) -> DecodeState:
+    """An independent copy of ``state`` (every tensor cloned): the way to grow two futures from one
+    state (see the module docstring, "Branching"). Costs one copy of the state's buffers."""
+    import torch.utils._pytree as tp
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"clone_state: expected a DecodeState, got {type(state).__name__}")
+    check_current(state, "clone_state")
+    return tp.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+
+
+# ----------------------------------------------------------------------------- staleness bookkeeping
+class _Family:
+    """The stamps over one set of history buffers (held weakly: a dropped state stops counting)."""
+    __slots__ = ("stamps",)
+
+    def __init__(self):
+        self.stamps = weakref.WeakSet()
+
+
+class _Stamp:
+    """Host-side record of the forward that returned a history buffer view.
+
+    ``end``: the position that forward reached; ``limit``: rows of positions >= limit may since have
+    been overwritten by a forward from an earlier state of the same family. A state whose buffer
+    carries this stamp is valid while ``state.pos <= limit`` (``rollback`` builds states at positions
+    below ``end`` from the same views; those stay valid until something overwrites them).
+    """
+    __slots__ = ("family", "end", "limit", "__weakref__")
+
+    def __init__(self, family: _Family, end: int):
+        self.family, self.end, self.limit = family, end, float("inf")
+        family.stamps.add(self)
+
+
+# id(buffer view) -> (weakref to it, stamp). A side table rather than a tensor attribute, so states
+# still pickle / torch.load (weights_only) as plain tensors; entries leave with their tensors.
+_STAMPS: dict = {}
+
+
+def _stamp_of(t: torch.Tensor) -> Optional[_Stamp]:
+    e = _STAMPS.get(id(t))
+    return e[1] if e is not None and e[0]() is t else None
+
+
+def _set_stamp(t: torch.Tensor, stamp: _Stamp) -> None:
+    key = id(t)
+
+    def drop(ref, key=key):
+        e = _STAMPS.get(key)
+        if e is not None and e[0] is ref:
+            del _STAMPS[key]
+    _STAMPS[key] = (weakref.ref(t, drop), stamp)
+
+
+def check_current(state: DecodeState, where: str) -> None:
+    """Refuse a stale state (module docstring, "Branching")."""
+    for c in state.layers:
+        st = _stamp_of(c.compress_kv) if c.compress_kv is not None else None
+        if st is not None and state.pos > st.limit:
+            raise ValueError(
+                f"{where}: this DecodeState (position {state.pos}) is stale: a forward from an earlier state of "
+                f"the same history (position {st.limit}) has since overwritten the compressed KV it reads. "
+                "Only one future can be grown from a state; to keep several, branch first with "
+                "fd.clone_state(state) and grow each copy")
+
+
+def begin_append(state: DecodeState, end: int) -> list:
+    """Called by ``forward`` before it appends history rows from ``state.pos`` up to ``end``: marks
+    every state of the same history past ``state.pos`` stale (before any write, so a forward that
+    fails half-way still leaves them marked). Returns one new stamp per layer (None: no history)."""
+    start, out = state.pos, []
+    for c in state.layers:
+        if c.compress_kv is None:
+            out.append(None)
+            continue
+        old = _stamp_of(c.compress_kv)
+        if old is None:                 # fresh buffers (init_state, clone_state, a copied state): adopt them
+            old = _Stamp(_Family(), start)
+            _set_stamp(c.compress_kv, old)
+        for st in list(old.family.stamps):
+            if st.end > start:
+                st.limit = min(st.limit, start)
+        out.append(_Stamp(old.family, end))
+    return out
+
+
+def finish_append(layers: tuple, stamps: list) -> tuple:
+    """The returned state's caches, each history buffer a fresh view (shared storage, no copy)
+    carrying its stamp: the stamp then travels with every state built from these caches."""
+    out = []
+    for c, st in zip(layers, stamps):
+        if st is not None:
+            view = c.compress_kv.view_as(c.compress_kv)
+            _set_stamp(view, st)
+            c = dataclasses.replace(c, compress_kv=view)
+        out.append(c)
+    return tuple(out)

@@ -164,11 +164,15 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
 
     h [b, s, M] bf16 (``embed(input_ids)``), batch with "images" (module docstring) and "token_types"
     [b, s] -> h' [b, s, M] (a new tensor; out-of-place, differentiable w.r.t. the vision params).
-    Raises ValueError when images come with a chunk not starting at 0, without token types, or when
-    the spans in token_types do not match the images (count, grid, layout, image token id).
+    Raises ValueError when the config has no vision tower (rows that are all None pass), when images
+    come with a chunk not starting at 0, without token types, or when the spans in token_types do not
+    match the images (count, grid, layout, image token id).
     """
     images = batch["images"]
     b, s = h.shape[:2]
+    if not cfg.vision_enabled and not (isinstance(images, (list, tuple)) and all(i is None for i in images)):
+        raise ValueError(f"forward: this config has no vision tower (vision_n_layers = {cfg.vision_n_layers}): "
+                         "batch['images'] is not supported")
     if start != 0:
         raise ValueError(f"forward: images are only allowed in a chunk that starts at position 0 (this chunk "
                          f"starts at {start}); put every image span in the first prefill chunk")
@@ -184,8 +188,7 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
     ids = batch["input_ids"]
     types = tt.tolist()
     rows_i, cols_i, vals = [], [], []
-    delim = {IMAGE_START: params["image_start"], IMAGE_END: params["image_end"],
-             IMAGE_NEW_LINE: params["image_newline"]}
+    delim = None                    # the delimiter rows, read when there is an image (vision params only then)
     n_img = 0
     for r in range(b):
         imgs = _row_images(images[r])
@@ -206,6 +209,9 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
             if bool((ids[r, a:e + 1] != cfg.image_token_id).any()):
                 raise ValueError(f"forward: row {r}: image span {a}..{e} holds ids other than image_token_id "
                                  f"{cfg.image_token_id}")
+            if delim is None:
+                delim = {IMAGE_START: params["image_start"], IMAGE_END: params["image_end"],
+                         IMAGE_NEW_LINE: params["image_newline"]}
             rows = encode_image(params, patches.to(h.device), grid, cfg=cfg, debug=debug, index=n_img)
             n_img += 1
             k = 0

@@ -175,6 +175,21 @@ FLASH_BAD = [
     ("route_scale", dict(route_scale="1.5")),
     ("route_scale", dict(route_scale=float("nan"))),
     ("kv_source_layers", dict(kv_source_layers=(2.0, 8, 14, 20))),
+    ("vision_max_wh_ratio", dict(vision_max_wh_ratio="abc")),                  # Optional[float]
+    ("vision_max_wh_ratio", dict(vision_max_wh_ratio=float("inf"))),
+    # values the math divides by / takes the log of (forward returned NaN or "math domain error")
+    ("rope_theta", dict(rope_theta=0.0)),
+    ("compress_rope_theta", dict(compress_rope_theta=1.0)),
+    ("vision_rope_theta", dict(vision_rope_theta=-5.0)),
+    ("rope_factor", dict(rope_factor=0)),
+    ("beta_fast", dict(beta_fast=0)),
+    ("beta_slow", dict(beta_slow=-1)),
+    ("norm_eps", dict(norm_eps=-1.0)),
+    ("norm_eps", dict(norm_eps=0.0)),
+    ("gate_temp", dict(gate_temp=0.0)),
+    ("original_seq_len", dict(original_seq_len=0)),
+    ("hc_eps", dict(hc_eps=-1e-6)),
+    ("vision_max_wh_ratio", dict(vision_max_wh_ratio=0.0)),
 ]
 
 
@@ -182,6 +197,10 @@ FLASH_BAD = [
 def test_refusals_name_the_field(field, changes):
     with pytest.raises(ConfigError, match=field):
         Config.flash(**changes)
+
+
+def test_numeric_ranges_accept_the_valid_side():
+    Config.flash(vision_max_wh_ratio=2.0, hc_eps=0.0, gate_temp=0.5, rope_factor=1, original_seq_len=1)
 
 
 def test_optional_part_sizes_only_checked_when_enabled():

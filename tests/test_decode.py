@@ -34,14 +34,16 @@ def _bounded(st):
 def test_rollback_equals_consuming_the_accepted_tokens(model, start):
     cfg, params = model
     ids = torch.randint(0, cfg.vocab_size, (2, start + 4), generator=torch.Generator().manual_seed(start))
-    before = fd.forward(params, {"input_ids": ids[:, :start]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
+    prefix = fd.forward(params, {"input_ids": ids[:, :start]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
     chunk = ids[:, start:]
-    after = fd.forward(params, {"input_ids": chunk}, cfg=cfg, state=before).state
     kinds = set()
     for m in range(1, 5):
+        # every trial and its reference grow their own copy of the prefix state: one future per state
+        before = fd.clone_state(prefix)
+        after = fd.forward(params, {"input_ids": chunk}, cfg=cfg, state=before).state
         st, reran = spec.rollback(params, before, after, chunk[:, :m], cfg=cfg)
         kinds.add(reran)
-        s = before
+        s = fd.clone_state(prefix)
         for j in range(m):                                # plain one-token decode of the accepted tokens
             s = fd.forward(params, {"input_ids": chunk[:, j:j + 1]}, cfg=cfg, state=s).state
         for a, b in zip(_bounded(st), _bounded(s)):
@@ -74,3 +76,54 @@ def test_bad_input_leaves_state(model):
     assert st.pos == 3
     for a, b in zip(snap, [t for t in tp.tree_leaves(st) if isinstance(t, torch.Tensor)]):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- branching a state
+def _grow(params, cfg, st, ids):
+    return fd.forward(params, {"input_ids": ids}, cfg=cfg, state=st)
+
+
+def test_growing_a_state_twice_makes_the_first_future_stale(model):
+    """The append-only histories are shared buffers: growing st0 again overwrites what the first
+    continuation wrote, so that continuation must be refused, not silently read (it used to give
+    logits off by ~1)."""
+    cfg, params = model
+    g = torch.Generator().manual_seed(1)
+    P, A, B, C = (torch.randint(3, 500, (2, n), generator=g) for n in (10, 3, 3, 2))
+    st0 = _grow(params, cfg, init_state(cfg, 2, 32), P).state
+    a = _grow(params, cfg, st0, A).state
+    b = _grow(params, cfg, st0, B).state                  # regrowing st0 itself is allowed ...
+    with pytest.raises(ValueError, match=r"stale.*fd\.clone_state"):
+        _grow(params, cfg, a, C)                          # ... but its first future is gone
+    with pytest.raises(ValueError, match="stale"):
+        fd.clone_state(a)
+    # the newest future and st0 stay valid: same logits as an unbranched history
+    ref = _grow(params, cfg, init_state(cfg, 2, 32), P).state
+    ref_b = _grow(params, cfg, ref, B).state
+    assert torch.equal(_grow(params, cfg, b, C).logits, _grow(params, cfg, ref_b, C).logits)
+
+
+def test_clone_state_keeps_two_futures(model):
+    cfg, params = model
+    g = torch.Generator().manual_seed(2)
+    P, A, B, C = (torch.randint(3, 500, (2, n), generator=g) for n in (10, 3, 3, 2))
+    st0 = _grow(params, cfg, init_state(cfg, 2, 32), P).state
+    branch = st0.clone()
+    a = _grow(params, cfg, st0, A).state
+    b = _grow(params, cfg, branch, B).state
+    for mid, st in ((A, a), (B, b)):                      # each equals its own unbranched history
+        ref = _grow(params, cfg, _grow(params, cfg, init_state(cfg, 2, 32), P).state, mid).state
+        assert torch.equal(_grow(params, cfg, st, C).logits, _grow(params, cfg, ref, C).logits)
+
+
+def test_init_state_and_state_argument_refusals(model):
+    cfg, params = model
+    for bs, n in ((0, 32), (2.5, 32), (True, 32), (2, 0), (2, -4), (2, 32.0)):
+        with pytest.raises(ValueError, match="init_state: (batch_size|max_seq_len) must be an integer >= 1"):
+            init_state(cfg, bs, n)
+    assert init_state(cfg, 2).max_seq_len == cfg.max_seq_len      # None still means the config's
+    out = _grow(params, cfg, init_state(cfg, 1, 16), torch.tensor([[1, 2, 3]]))
+    with pytest.raises(TypeError, match=r"DecodeState.*got ForwardOutput \(pass out.state"):
+        _grow(params, cfg, out, torch.tensor([[4]]))
+    with pytest.raises(TypeError, match="DecodeState"):
+        fd.forward(params, {"input_ids": torch.tensor([[4]])}, cfg=cfg, state=out, validate=False)

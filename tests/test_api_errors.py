@@ -1,0 +1,143 @@
+"""The public inference API refuses bad input with an error that names the problem: ``fd.generate``
+is the function whatever the import order, images / token_types that cannot be honoured, generate's
+prompt formats and the ``python -m functional_dsv41.generate`` CLI's arguments."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import functional_dsv41 as fd
+
+from conftest import REPO, fixture_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = fd.Config.tiny()                               # text only: vision_n_layers = 0
+    params = fd.init_params(cfg, seed=0)
+    params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- fd.generate is the function
+@pytest.mark.parametrize("code", [
+    # the submodule imported first: the import system binds it as the package attribute `generate`
+    "import functional_dsv41 as fd\nfrom functional_dsv41.generate import GenerateResult\n"
+    "import functional_dsv41.generate",
+    # the function looked up first, the submodule imported after
+    "import functional_dsv41 as fd\nf = fd.generate\nimport functional_dsv41.generate\nassert fd.generate is f",
+])
+def test_fd_generate_is_the_function_whatever_the_import_order(code):
+    check = ("\nimport types\nassert isinstance(fd.generate, types.FunctionType), type(fd.generate)"
+             "\nfrom functional_dsv41 import generate\nassert generate is fd.generate"
+             "\nassert sys.modules['functional_dsv41.generate'].GenerateResult")
+    r = subprocess.run([sys.executable, "-c", "import sys\n" + code + check], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+
+
+# ----------------------------------------------------------------------------- forward: images / token_types
+def _span_batch(cfg, b=1):
+    """A prompt with one 1x1-cell image span (START, IMAGE, NEW_LINE, END) at positions 1..4."""
+    ids = torch.tensor([[0, cfg.image_token_id, cfg.image_token_id, cfg.image_token_id, cfg.image_token_id, 7]] * b)
+    tt = torch.tensor([[-1, 0, 1, 2, 3, -1]] * b)
+    return ids, tt
+
+
+def test_images_on_a_model_without_vision_tower(model):
+    cfg, params = model
+    ids, tt = _span_batch(cfg)
+    img = (torch.zeros(1, 3, cfg.vision_patch_size, cfg.vision_patch_size, dtype=torch.bfloat16), (1, 1))
+    with pytest.raises(ValueError, match=r"no vision tower \(vision_n_layers = 0\).*batch\['images'\]"):
+        fd.forward(params, {"input_ids": ids, "token_types": tt, "images": [[img]]}, cfg=cfg)
+    # rows without images are plain text, as on a vision model
+    text = torch.tensor([[0, 5, 6, 7]])
+    assert torch.equal(fd.forward(params, {"input_ids": text, "images": [None],
+                                           "token_types": torch.full_like(text, -1)}, cfg=cfg).logits,
+                       fd.forward(params, {"input_ids": text}, cfg=cfg).logits)
+
+
+def test_image_spans_without_images_are_refused(model):
+    cfg, params = model
+    ids, tt = _span_batch(cfg)
+    with pytest.raises(ValueError, match=r"token_types marks image positions.*no 'images'"):
+        fd.forward(params, {"input_ids": ids, "token_types": tt}, cfg=cfg)
+    with pytest.raises(ValueError, match="marks image positions"):
+        fd.generate(params, ids.tolist(), cfg=cfg, max_new_tokens=1, token_types=tt.tolist())
+    # all-text token types stay fine
+    fd.forward(params, {"input_ids": ids, "token_types": torch.full_like(tt, -1)}, cfg=cfg)
+
+
+def test_token_types_must_be_an_integer_tensor(model):
+    cfg, params = model
+    ids = torch.tensor([[0, 5, 6]])
+    for bad in ([[-1, -1, -1]], torch.full((1, 3), -1.0)):
+        for validate in (True, False):
+            with pytest.raises(TypeError, match="token_types must be an integer tensor"):
+                fd.forward(params, {"input_ids": ids, "token_types": bad}, cfg=cfg, validate=validate)
+    with pytest.raises(ValueError, match=r"token_types \(1, 2\) must match input_ids \(1, 3\)"):
+        fd.forward(params, {"input_ids": ids, "token_types": torch.tensor([[-1, -1]])}, cfg=cfg)
+
+
+# ----------------------------------------------------------------------------- generate: prompt formats
+def test_generate_accepts_numpy_and_torch_integer_ids(model):
+    cfg, params = model
+    ref = fd.generate(params, [[312, 5]], cfg=cfg, max_new_tokens=2)
+    assert fd.generate(params, [np.array([312, 5])], cfg=cfg, max_new_tokens=2) == ref
+    assert fd.generate(params, np.array([[312, 5]]), cfg=cfg, max_new_tokens=2) == ref
+    assert fd.generate(params, [[np.int32(312), torch.tensor(5)]], cfg=cfg, max_new_tokens=2) == ref
+
+
+def test_generate_prompt_refusals(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match=r"list of token-id lists.*prompt 0 is 5.*\[ids\]"):
+        fd.generate(params, [5, 6, 7], cfg=cfg, max_new_tokens=1)
+    with pytest.raises(ValueError, match="list of token-id lists.*prompt 0 is 'hello'"):
+        fd.generate(params, ["hello"], cfg=cfg, max_new_tokens=1)
+    for bad in (1.0, True, 512, -1):
+        with pytest.raises(ValueError, match=rf"prompt 0 holds {bad!r}, not a token id \(an integer in \[0, 512\)\)"):
+            fd.generate(params, [[0, bad]], cfg=cfg, max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=True)
+    for t, p in ((float("nan"), 1.0), (-1.0, 1.0), (1.0, float("nan")), (1.0, 0.0), ("1", 1.0)):
+        with pytest.raises(ValueError, match="temperature >= 0 and 0 < top_p <= 1"):
+            fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=1, temperature=t, top_p=p)
+
+
+# ----------------------------------------------------------------------------- the CLI
+def _cli(capsys, *argv):
+    from functional_dsv41.generate import main
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
+    (["--image", "/nonexistent/pic.png"], "--image /nonexistent/pic.png: no such file"),
+])
+def test_cli_bad_arguments(capsys, args, msg):
+    rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", *args)
+    assert rc == 2
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert re.search(msg, err), err
+
+
+def test_cli_images(capsys, tmp_path):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not an image")
+    rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-vl")), "--prompt", "hi", "--image", str(junk))
+    assert rc == 2 and err.startswith(f"error: --image {junk}: cannot read it as an image"), err
+    rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", "--image", str(junk))
+    assert rc == 2 and "no vision tower (vision_n_layers = 0)" in err, err
