@@ -36,6 +36,7 @@ def test_adamw_matches_torch_bitwise():
     for k in params:
         assert torch.equal(params[k], ref[k].detach()), k
         assert torch.equal(state["mu"][k], topt.state[ref[k]]["exp_avg"]), k
+        assert torch.equal(state["nu"][k], topt.state[ref[k]]["exp_avg_sq"]), k
     assert state["count"] == 5
 
 
@@ -58,6 +59,10 @@ def test_no_decay_rules():
               "layers.0.attn.attn_sink", "vision.x.bias", "layers.2.attn.compressor.norm.weight"):
         assert not optim.decays(p, w), p
     assert not optim.decays("layers.0.ffn.gate.weight_1d", torch.zeros(4))
+    # Engram per-channel gains [hc_mult, dim] (ones, SPEC 6.5) are like norm weights; its wkv projection decays
+    for p in ("layers.1.engram.q_weight", "layers.14.engram.k_weight"):
+        assert not optim.decays(p, torch.ones(4, 128)), p
+    assert optim.decays("layers.1.engram.wkv.weight", w)
 
 
 def test_clip_matches_torch():

@@ -117,3 +117,94 @@ def test_cli_parsing():
         run.parse_args(["--stepz=3"])
     with pytest.raises(SystemExit, match="cannot read"):
         run.parse_args(["--steps=many"])
+
+
+# ----------------------------------------------------------------------------- resume checks, OUT records
+def _records(out):
+    """The bytes of OUT's record files and the names in OUT/ckpt: what a refused run must leave as it was."""
+    snap = {n: open(os.path.join(out, n), "rb").read() for n in ("config.json", "run_config.json", "metrics.jsonl")
+            if os.path.exists(os.path.join(out, n))}
+    snap["ckpt/"] = sorted(os.listdir(os.path.join(out, "ckpt")))
+    return snap
+
+
+def _small_corpus(path, first_line="One short story."):
+    lines = open(run.CORPUS_TXT, encoding="utf-8").read().splitlines()[:300]
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join([first_line] + lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("change, names", [
+    (dict(config="tiny-qat", qat=True), ["config.dtype 'bf16' -> 'fp8'", "forward_mode 'dequant' -> 'qat'"]),
+    (dict(seq_len=64, seed=5, lr=1.0), ["seq_len 48 -> 64", "seed 0 -> 5", "lr 0.003 -> 1.0"]),
+    (dict(batch_size=3, warmup=1, weight_decay=0.0, loss_indexer_kl=0.1), ["batch_size", "warmup", "weight_decay",
+                                                                           "loss_indexer_kl"]),
+    (dict(corpus="CHANGED"), ["corpus_sha256"]),
+    (dict(steps=1), ["at step 2, past --steps 1"]),
+    (dict(resume=False, config="tiny-qat"), ["already holds checkpoints"]),
+])
+def test_resume_refuses_other_settings_and_keeps_records(tmp_path, change, names):
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    assert run.train(_rc(out, steps=2, corpus=corpus))["status"] == "ok"
+    before = _records(out)
+    if change.get("corpus") == "CHANGED":            # same path, other content
+        _small_corpus(tmp_path / "corpus.txt", first_line="Another short story.")
+        change = {**change, "corpus": corpus}
+    with pytest.raises(SystemExit) as e:
+        run.train(_rc(out, **{"steps": 4, "resume": True, "corpus": corpus, **change}))
+    for n in names:
+        assert n in str(e.value), str(e.value)
+    assert _records(out) == before                  # nothing of the run being resumed was rewritten
+
+
+def test_resume_extends_steps_on_the_original_schedule(tmp_path):
+    """--steps may grow on resume; the lr schedule keeps its first length and run_config.json its first record."""
+    assert run.train(_rc(tmp_path, steps=4, warmup=1))["status"] == "ok"
+    first = open(tmp_path / "run_config.json", "rb").read()
+    r = run.train(_rc(tmp_path, steps=6, warmup=1, resume=True, log_every=3))
+    assert r["status"] == "ok" and r["step"] == 6
+    floor = 3e-3 * run.RunConfig.min_lr_ratio                 # the 4-step cosine has reached its floor
+    assert [(s, lr) for s, _, _, lr in _losses(tmp_path)][3:] == [(4, pytest.approx(floor)), (5, pytest.approx(floor)),
+                                                                   (6, pytest.approx(floor))]
+    assert open(tmp_path / "run_config.json", "rb").read() == first
+    res = [json.loads(ln) for ln in open(tmp_path / "resumes.jsonl")]
+    assert [(x["from_step"], x["run_config"]["steps"], x["run_config"]["log_every"]) for x in res] == [(4, 6, 3)]
+    ck = C.TrainCheckpointer(str(tmp_path / "ckpt"))
+    assert ck.restore(6)["extra"]["run"]["schedule_steps"] == 4
+
+
+def test_resume_without_checkpoint_starts_afresh(tmp_path, capsys):
+    assert run.train(_rc(tmp_path, steps=2, ckpt_every=0))["status"] == "ok"
+    assert run.train(_rc(tmp_path, steps=2, ckpt_every=0, resume=True))["status"] == "ok"
+    assert "no finished checkpoint" in capsys.readouterr().out
+    assert [s for s, *_ in _losses(tmp_path)] == [1, 2]     # not 1, 2, 1, 2
+
+
+def test_resume_drops_a_truncated_metrics_line(tmp_path):
+    """A run killed while writing metrics.jsonl leaves a partial last line; resume drops it."""
+    assert run.train(_rc(tmp_path, steps=2))["status"] == "ok"
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 3, "loss/ce": 4.')
+    assert run.train(_rc(tmp_path, steps=3, resume=True))["status"] == "ok"
+    assert [s for s, *_ in _losses(tmp_path)] == [1, 2, 3]
+
+
+def test_trim_metrics_refuses_a_damaged_middle_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
+    with pytest.raises(SystemExit, match="line 2 is not a metrics record"):
+        run._trim_metrics(str(p), 1)
+
+
+def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def fail(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(run.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        run._write_atomic(str(p), '{"step": 1}\n')
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n' and os.listdir(tmp_path) == ["metrics.jsonl"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.func import grad_and_value
 
-from functional_dsv41.train import step as S
+from functional_dsv41.train import optim, step as S
 
 
 def _blk(p, h, pre, *, k):
@@ -55,3 +55,39 @@ def test_split_params_trainable_and_frozen():
             "layers.0.engram.embed.weight", "layers.0.engram.embed.scale"} == set(fr)
     tree = S.assemble(tr, fr, {k: torch.bfloat16 for k in tr})
     assert tree["embed"]["weight"].dtype == torch.bfloat16 and tree["engram_token_map"] is fr["engram_token_map"]
+
+
+class _Out:
+    def __init__(self, logits, main_hidden=None):
+        self.logits, self.main_hidden = logits, main_hidden
+
+
+def _bigram_forward(params, inputs, *, cfg, state=None, mode="dequant"):
+    """A stand-in model: logits are a learned table's row per input token; main_hidden is there, as with a
+    config that names DSpark target layers."""
+    return _Out(params["table"][inputs["input_ids"]], main_hidden=torch.zeros(*inputs["input_ids"].shape, 4))
+
+
+def test_tokens_per_s_counts_non_padding_tokens():
+    pad = 0
+    ids = torch.tensor([[5, 6, 7, pad, pad, pad], [3, 4, pad, pad, pad, pad]])      # 5 real tokens in 12 slots
+    labels = torch.tensor([[6, 7, -100, -100, -100, -100], [4, -100, -100, -100, -100, -100]])
+    tr = {"table": torch.zeros(8, 8)}
+    step = S.make_step(None, frozen={}, dtypes={"table": torch.float32}, forward=_bigram_forward, coefs={"ce": 1.0},
+                       pad_id=pad)
+    _, _, m = step(tr, optim.adamw_init(tr), {"input_ids": ids, "labels": labels}, lr=0.1, step_no=1)
+    assert m["tokens"] == 3 and m["tokens_per_s"] * m["step_time"] == pytest.approx(5)
+
+
+def test_draft_loss_without_dspark_stages_is_named():
+    """A config with DSpark target layers but no stages: the forward returns main_hidden, the draft has nothing."""
+    from types import SimpleNamespace
+    from functional_dsv41.train import loss as L
+    ids = torch.tensor([[1, 2, 3]])
+
+    def draft_forward(params, *a, **k):
+        return params["mtp"]                                     # what dspark_forward reaches first
+    with pytest.raises(ValueError, match=r"no DSpark stages \(n_mtp_layers=0\)"):
+        L.compute_losses({"table": torch.zeros(4, 4)}, {"input_ids": ids, "labels": ids},
+                         cfg=SimpleNamespace(n_mtp_layers=0), coefs={"ce": 1.0, "draft": 0.5},
+                         forward=_bigram_forward, draft_forward=draft_forward)

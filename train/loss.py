@@ -123,8 +123,11 @@ def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coef
         if draft_forward is None:
             raise NotImplementedError("the draft loss is on but the model has no DSpark training forward "
                                       "(functional_dsv41.dspark_forward) yet; set --loss.draft=0")
-        if out.main_hidden is None:
-            raise ValueError("the draft loss is on but the forward returned no main_hidden (no DSpark stages?)")
+        # n_mtp_layers, not main_hidden: a config can name DSpark target layers (so main_hidden is there)
+        # and still have no stages to draft with
+        if cfg.n_mtp_layers == 0 or out.main_hidden is None:
+            raise ValueError("the draft loss is on but the model has no DSpark stages (n_mtp_layers=0); "
+                             "set --loss.draft=0")
         ids = batch["input_ids"]
         anchors = torch.arange(0, ids.shape[1] - 1, max(int(draft_anchor_stride), 1), device=ids.device)
         d = draft_forward(params, out.main_hidden, ids, cfg=cfg, positions=inputs.get("positions"),

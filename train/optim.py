@@ -9,8 +9,11 @@ bit for bit (tests/test_train_optim.py): decoupled decay ``p *= 1 - lr*wd`` firs
 Moments are fp32 whatever the parameter dtype; a bf16 parameter is updated in fp32 and rounded back
 (prefer fp32 master weights: a bf16 parameter loses small updates).
 
-Weight decay skips norms, biases, hyper-connection bases/scales, attention sinks and every tensor of
-fewer than 2 dims (``decays``).
+Weight decay skips norms, biases, hyper-connection bases/scales, attention sinks, the Engram
+``q_weight``/``k_weight`` and every tensor of fewer than 2 dims (``decays``). The Engram pair is
+``[hc_mult, dim]`` but no projection: per-channel gains on the RMS-normalised stream and key of the gate
+(SPEC §6.5), initialised to ones like norm weights: decay would pull them from 1 towards 0, i.e. flatten
+the gate's logit, rather than regularise a projection.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 _NO_DECAY_KEYS = ("norm", "bias", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale",
                   "hc_head_base", "hc_head_scale", "attn_sink")
+_NO_DECAY_ENGRAM = ("q_weight", "k_weight")   # leaf names under an ``engram`` module (module docstring)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ def decays(path: str, t: torch.Tensor) -> bool:
     if t.ndim < 2:
         return False
     parts = path.split(".")
+    if "engram" in parts[:-1] and parts[-1] in _NO_DECAY_ENGRAM:
+        return False
     return not any(k in p for p in parts for k in _NO_DECAY_KEYS)
 
 

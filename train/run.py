@@ -1,27 +1,47 @@
 """The scripted training loop: ``python train/run.py --config tiny --out runs/tiny``.
 
 Trains a model preset on the shipped corpus (data/), logging one line per step (loss parts, lr,
-grad norm, tokens/s, step time) under a progress bar and one JSON object per step to
+grad norm, non-padding tokens/s, step time) under a progress bar and one JSON object per step to
 ``OUT/metrics.jsonl``; saves orbax train-state checkpoints to ``OUT/ckpt`` (asynchronous, last
 ``keep_last``); at the end exports the params to ``OUT/export`` in the released layout (re-quantised
 where the config stores fp8/fp4) and prints a greedy sample.
 
 Command line: ``--config NAME`` (model + run preset), ``--steps N``, ``--out DIR``, ``--resume``, and
 ``--key=value`` (or ``--key value``) for any ``RunConfig`` field; ``--loss.ce=1`` is ``--loss_ce=1``.
+Bad options or inputs (a missing or non-UTF-8 corpus, --out naming a file, a count < 1 ...) are refused
+with a one-line message before anything is written.
+
 ``--resume`` continues from the newest checkpoint in ``OUT/ckpt`` bit-identically to a run that was
 never interrupted (same params, optimizer state, data position, RNG; metrics lines after the
-checkpoint are dropped and recomputed).
+checkpoint are dropped and recomputed). Every checkpoint records the model config and the settings
+that decide the data order or the optimisation (``RESUME_FIXED``, the corpus and tokenizer contents,
+the length of the lr schedule); a resume that differs in any of them is refused up front, naming
+them. Free to change on resume: ``--steps`` (to extend a run; not below the checkpoint's step; the
+warmup + cosine schedule keeps the length of the run's first start, so steps past it run at
+``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads and remat (execution only, though the
+result may then differ from an uninterrupted run by rounding), export, sample_*, progress.
+``OUT/config.json`` and ``OUT/run_config.json`` record the run as first started and a resume leaves
+them alone; each resume appends its own settings to ``OUT/resumes.jsonl``. ``--resume`` with no
+finished checkpoint says so and starts afresh.
+
+The first SIGINT (Ctrl-C) or SIGTERM stops the run before the next step, waits for pending checkpoint
+saves and prints where the last good checkpoint is; a second one aborts at once.
 
 Exit status: 0 on success; 2 when a loss part or gradient goes non-finite (the message names the step
-and the part/leaves; the last good checkpoint is left complete and loadable).
+and the part/leaves; the last good checkpoint is left complete and loadable); 130 / 143 when stopped
+by SIGINT / SIGTERM.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -53,8 +73,8 @@ class RunConfig:
     clip: float = 1.0
     seed: int = 0
     log_every: int = 1             # metrics.jsonl gets every step; the console every N
-    ckpt_every: int = 50
-    keep_last: int = 2
+    ckpt_every: int = 50           # 0: no checkpoints
+    keep_last: int = 2             # checkpoints kept (>= 1)
     out: str = "runs/tiny"
     resume: bool = False
     overwrite: bool = False        # start afresh in an OUT that holds checkpoints (deletes OUT/ckpt)
@@ -125,7 +145,10 @@ def model_config(rc: RunConfig) -> fd.Config:
     if rc.config in PRESETS:
         return PRESETS[rc.config][0](rc.tokenizer)
     if os.path.exists(rc.config):
-        return fd.Config.from_json(rc.config)
+        try:
+            return fd.Config.from_json(rc.config)
+        except (OSError, ValueError, TypeError) as e:   # ConfigError is a ValueError
+            raise SystemExit(f"--config: {e}") from None   # e names the file
     raise SystemExit(f"--config: {rc.config!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json path")
 
 
@@ -221,17 +244,209 @@ def _draft_forward():
 def _fmt(step: int, total: int, m: dict) -> str:
     parts = " ".join(f"{k[5:]}={v:.4f}" for k, v in m.items() if k.startswith("loss/"))
     return (f"step {step:>5}/{total} | {parts} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
-            f"{m['tokens_per_s']:.0f} tok/s | {m['step_time']:.2f}s")
+            f"{m['tokens_per_s']:.0f} non-pad tok/s | {m['step_time']:.2f}s")
 
 
-def _trim_metrics(path: str, upto: int) -> None:
-    """Keep only metric lines with step <= upto (a resumed run recomputes the rest)."""
+# ----------------------------------------------------------------------------- checks before anything is written
+def validate(rc: RunConfig) -> None:
+    """Refuse bad options with a one-line message, before a model is built or a file written (a
+    traceback after minutes of training, or a half-made OUT, is the failure this guards against)."""
+    checks = [
+        (rc.steps >= 1, f"--steps must be >= 1, got {rc.steps}"),
+        (rc.batch_size >= 1, f"--batch_size must be >= 1, got {rc.batch_size}"),
+        (rc.seq_len >= 2, f"--seq_len must be >= 2 (a row needs a token and its target), got {rc.seq_len}"),
+        (rc.lr > 0, f"--lr must be > 0, got {rc.lr}"),
+        (0 <= rc.min_lr_ratio <= 1, f"--min_lr_ratio must be in [0, 1], got {rc.min_lr_ratio}"),
+        (rc.warmup >= 0, f"--warmup must be >= 0, got {rc.warmup}"),
+        (rc.weight_decay >= 0, f"--weight_decay must be >= 0, got {rc.weight_decay}"),
+        (0 <= rc.b1 < 1 and 0 <= rc.b2 < 1, f"--b1 and --b2 must be in [0, 1), got {rc.b1}, {rc.b2}"),
+        (rc.log_every >= 1, f"--log_every must be >= 1, got {rc.log_every}"),
+        (rc.ckpt_every >= 0, f"--ckpt_every must be >= 0 (0: no checkpoints), got {rc.ckpt_every}"),
+        (rc.keep_last >= 1, f"--keep_last must be >= 1 (the checkpoints kept), got {rc.keep_last}"),
+        (rc.draft_anchor_stride >= 1, f"--draft_anchor_stride must be >= 1, got {rc.draft_anchor_stride}"),
+        (rc.threads >= 0, f"--threads must be >= 0 (0: torch's default), got {rc.threads}"),
+        (rc.sample_tokens >= 0, f"--sample_tokens must be >= 0, got {rc.sample_tokens}"),
+        (rc.progress in ("auto", "on", "off"), f"--progress must be auto, on or off, got {rc.progress!r}"),
+        (rc.mode in ("reference", "dequant", "qat"), f"--mode must be reference, dequant or qat, got {rc.mode!r}"),
+        (not (rc.resume and rc.overwrite), "--resume and --overwrite contradict each other: pass one"),
+        (max(rc.coefs.values()) > 0, "every loss coefficient is <= 0 ("
+         + ", ".join(f"--loss_{k} {v}" for k, v in rc.coefs.items()) + "): nothing to train"),
+        (os.path.isfile(rc.corpus), f"--corpus {rc.corpus}: no such file"),
+        (os.path.isfile(rc.tokenizer), f"--tokenizer {rc.tokenizer}: no such file"),
+        (not os.path.exists(rc.out) or os.path.isdir(rc.out), f"--out {rc.out}: exists and is not a folder"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise SystemExit(msg)
+
+
+def _special_ids(rc: RunConfig) -> dict[str, int]:
+    """``special_ids`` of --tokenizer, a file that is no tokenizer being a one-line refusal."""
+    try:
+        return special_ids(rc.tokenizer)
+    except Exception as e:   # tokenizers raises a bare Exception for a file it cannot parse
+        raise SystemExit(f"--tokenizer {rc.tokenizer}: cannot load it ({e})") from None
+
+
+def check_model(rc: RunConfig, cfg: fd.Config, sp: dict[str, int]) -> None:
+    """Refuse options the model config cannot serve (before building it: these used to fail mid-run)."""
+    if sp["vocab_size"] != cfg.vocab_size:
+        raise SystemExit(f"tokenizer has {sp['vocab_size']} ids but the model config has vocab_size {cfg.vocab_size}")
+    if rc.seq_len > cfg.max_seq_len:
+        raise SystemExit(f"--seq_len {rc.seq_len} > the model's max_seq_len {cfg.max_seq_len}")
+    if rc.loss_draft > 0 and cfg.n_mtp_layers == 0:
+        raise SystemExit(f"--loss_draft {rc.loss_draft} needs DSpark stages but model {rc.config} has n_mtp_layers=0; "
+                         f"use --config tiny-dspark or --loss_draft 0")
+    if rc.sample_tokens > 0:
+        n = 1 + len(load_tokenizer(rc.tokenizer).encode(rc.sample_prompt).ids)
+        if n > cfg.max_seq_len:
+            raise SystemExit(f"--sample_prompt is {n} tokens (with BOS), more than the model's max_seq_len "
+                             f"{cfg.max_seq_len}; shorten it or pass --sample_tokens 0")
+
+
+def _load_corpus(rc: RunConfig) -> tuple:
+    try:
+        return data_mod.shipped_samples(rc.corpus, rc.tokenizer)
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"--corpus {rc.corpus}: not UTF-8 text (byte offset {e.start}: {e.reason})") from None
+    except ValueError as e:   # an empty corpus
+        raise SystemExit(f"--corpus {e}") from None
+
+
+# Settings a resume must share with the checkpoint it continues: they decide the data order (batch_size,
+# seq_len, seed; with the corpus and tokenizer contents) or the optimisation (the rest). See the module docstring.
+RESUME_FIXED = ("batch_size", "seq_len", "seed", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2",
+                "clip", "loss_ce", "loss_draft", "draft_anchor_stride", "loss_indexer_kl", "frozen")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def run_record(rc: RunConfig, cfg: fd.Config, schedule_steps: int) -> dict:
+    """What every checkpoint records and a resume must match: the model config and the run settings,
+    as JSON values (the form they come back from a checkpoint in, so the two compare equal)."""
+    run = {k: getattr(rc, k) for k in RESUME_FIXED}
+    run.update(forward_mode="qat" if rc.qat else rc.mode, schedule_steps=schedule_steps,
+               corpus_sha256=_sha256(rc.corpus), tokenizer_sha256=_sha256(rc.tokenizer))
+    return json.loads(json.dumps({"model": cfg.to_dict(), "run": run}))
+
+
+def record_diff(saved: dict, now: dict) -> list[str]:
+    """``"name old -> new"`` for every recorded setting that differs (schedule_steps is the resume's to keep)."""
+    def short(v):
+        r = repr(v)
+        return r if len(r) <= 24 else r[:20] + "..."
+    out = []
+    for part, prefix in (("model", "config."), ("run", "")):
+        a, b = saved.get(part, {}), now[part]
+        out += [f"{prefix}{k} {short(a.get(k))} -> {short(b.get(k))}" for k in sorted(set(a) | set(b))
+                if k != "schedule_steps" and a.get(k) != b.get(k)]
+    return out
+
+
+def _check_resume(rc: RunConfig, cfg: fd.Config, restored: dict) -> int:
+    """Refuse a resume whose settings differ from those the checkpoint records (module docstring); returns
+    the lr schedule length to continue with (the one the run first started with)."""
+    where = os.path.join(os.path.abspath(rc.out), "ckpt", str(restored["step"]))
+    saved = restored["extra"]
+    if "run" not in saved or "model" not in saved:
+        raise SystemExit(f"--resume: {where} records no run settings (saved by an older run.py), so it cannot be "
+                         f"checked against this run; start afresh with --overwrite or another --out")
+    schedule_steps = int(saved["run"]["schedule_steps"])
+    diff = record_diff(saved, run_record(rc, cfg, schedule_steps))
+    if diff:
+        raise SystemExit(f"--resume: {where} was trained with other settings ({'; '.join(diff[:8])}"
+                         f"{'; ...' if len(diff) > 8 else ''}); resume with the original ones, or start afresh "
+                         f"with --overwrite or another --out")
+    if rc.steps < restored["step"]:
+        raise SystemExit(f"--resume: {where} is at step {restored['step']}, past --steps {rc.steps}; pass "
+                         f"--steps >= {restored['step']}")
+    return schedule_steps
+
+
+def _newest_checkpoint(ckpt_dir: str, restore: bool) -> tuple[Optional[int], Optional[dict]]:
+    """(step, restored state or None) of the newest finished checkpoint in ``ckpt_dir``, (None, None) when
+    there is none. Only reads: a run refused after this must not have created the folder."""
+    if not os.path.isdir(ckpt_dir):
+        return None, None
+    ck = ckpt_mod.TrainCheckpointer(ckpt_dir)
+    try:
+        step = ck.latest_step()
+        return step, (ck.restore(step) if restore and step is not None else None)
+    finally:
+        ck.close()
+
+
+def _trim_metrics(path: str, upto: int) -> str:
+    """The text of ``path`` (metrics.jsonl) that a resume from step ``upto`` keeps: lines with step <= upto
+    (the resumed run recomputes the rest). A malformed last line is a run killed mid-write and is dropped; a
+    malformed earlier one means the file was damaged or edited, and is refused rather than guessed at."""
     if not os.path.exists(path):
-        return
-    with open(path) as fh:
-        keep = [ln for ln in fh if ln.strip() and json.loads(ln)["step"] <= upto]
-    with open(path, "w") as fh:
-        fh.writelines(keep)
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().splitlines()
+    keep = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            step = int(json.loads(ln)["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                break
+            raise SystemExit(f"--resume: {path} line {i + 1} is not a metrics record; repair or remove it") from None
+        if step <= upto:
+            keep.append(ln + "\n")
+    return "".join(keep)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
+    the new one, never a torn one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+class _StopOnSignal:
+    """Within ``with``: the first SIGINT / SIGTERM only sets ``signum``, and the loop stops before its next
+    step. Why not stop at once: the signal could land inside ``ck.save`` or leave an async save unfinished,
+    i.e. a half-written checkpoint; between steps the pending saves can be waited for. A second signal
+    aborts at once (the handler that was there before). Only the main thread can install handlers; elsewhere
+    (a caller's thread) this does nothing."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._prev: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._prev[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            prev = self._prev[signum]
+            signal.signal(signum, signal.SIG_DFL if prev is None else prev)
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._prev.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
+        return False
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -245,38 +460,42 @@ def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
 
 
 def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
-    """Run training per ``rc``. Returns {"status", "step", "metrics": last metrics, "out"}.
+    """Run training per ``rc``. Returns {"status", "step", "metrics": last metrics, "out"}; status is "ok",
+    "non_finite" or "interrupted" (then "signal" holds the signal number).
 
-    ``fault(step_no, trainable) -> trainable`` is a test hook applied before each step (e.g. to put a
-    NaN into a leaf); it is not reachable from the command line.
+    Every check (options, inputs, the OUT folder, a resume's settings) runs before the first write to OUT,
+    so a refused run leaves OUT as it was. ``fault(step_no, trainable) -> trainable`` is a test hook applied
+    before each step (e.g. to put a NaN into a leaf); it is not reachable from the command line.
     """
     t_start = time.perf_counter()
+    validate(rc)
     if rc.threads > 0:
         torch.set_num_threads(rc.threads)
+    sp = _special_ids(rc)
     cfg = model_config(rc)
-    os.makedirs(rc.out, exist_ok=True)
-    cfg.to_json(os.path.join(rc.out, "config.json"))
-    with open(os.path.join(rc.out, "run_config.json"), "w") as fh:
-        json.dump(dataclasses.asdict(rc), fh, indent=2)
-    sp = special_ids(rc.tokenizer)
-    if sp["vocab_size"] != cfg.vocab_size:
-        raise SystemExit(f"tokenizer has {sp['vocab_size']} ids but the model config has vocab_size {cfg.vocab_size}")
-    if rc.seq_len > cfg.max_seq_len:
-        raise SystemExit(f"--seq_len {rc.seq_len} > the model's max_seq_len {cfg.max_seq_len}")
+    check_model(rc, cfg, sp)
+    samples = list(_load_corpus(rc))
+    ckpt_dir = os.path.join(rc.out, "ckpt")
+    metrics_path = os.path.join(rc.out, "metrics.jsonl")
+    latest, restored = _newest_checkpoint(ckpt_dir, restore=rc.resume)
+    if latest is not None and not rc.resume and not rc.overwrite:
+        raise SystemExit(f"{os.path.abspath(ckpt_dir)} already holds checkpoints (step {latest}): pass --resume "
+                         f"to continue, --overwrite to start afresh, or another --out")
+    schedule_steps = rc.steps if restored is None else _check_resume(rc, cfg, restored)
+    record = run_record(rc, cfg, schedule_steps)
+    if restored is not None:
+        metrics_kept = _trim_metrics(metrics_path, restored["step"])
+
     from functional_dsv41.engram import build_token_map
     token_map = torch.as_tensor(build_token_map(rc.tokenizer), dtype=torch.int64)
-
     torch.manual_seed(rc.seed)
-    samples = list(data_mod.shipped_samples(rc.corpus, rc.tokenizer))
     data = data_mod.PackedData(samples, row_len=rc.seq_len, batch_size=rc.batch_size, pad_id=sp["pad"],
                                seed=rc.seed)
     trainable, frozen = init_train_params(cfg, rc, token_map)
     opt_state = optim.adamw_init(trainable)
-    ck = ckpt_mod.TrainCheckpointer(os.path.join(rc.out, "ckpt"), max_to_keep=rc.keep_last)
-    metrics_path = os.path.join(rc.out, "metrics.jsonl")
     start = 0
-    if rc.resume and ck.latest_step() is not None:
-        r = ck.restore()
+    if restored is not None:
+        r = restored
         start = r["step"]
         missing = sorted(set(trainable) - set(r["params"]))
         if missing:
@@ -287,23 +506,6 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         data.set_state(r["data_state"])
         if r["rng_state"] is not None:
             torch.set_rng_state(r["rng_state"])
-        _trim_metrics(metrics_path, start)
-        print(f"resumed from {ck.directory}/{start} (data epoch {data.epoch}, row {data.offset})", flush=True)
-    elif not rc.resume:
-        if ck.latest_step() is not None:
-            if not rc.overwrite:
-                ck.close()
-                raise SystemExit(f"{ck.directory} already holds checkpoints (step {ck.latest_step()}): pass "
-                                 f"--resume to continue, --overwrite to start afresh, or another --out")
-            ck.close()
-            shutil.rmtree(ck.directory)
-            ck = ckpt_mod.TrainCheckpointer(ck.directory, max_to_keep=rc.keep_last)
-        open(metrics_path, "w").close()
-
-    n_tr = sum(v.numel() for v in trainable.values())
-    print(f"model {rc.config}: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; {n_tr / 1e6:.2f}M "
-          f"trainable params in {len(trainable)} tensors, {len(frozen)} frozen leaves; data "
-          f"{data.stats()['rows_per_epoch']} rows/epoch of {rc.seq_len}", flush=True)
     mode = "qat" if rc.qat else rc.mode
     try:
         fkw = step_mod.remat_forward_kwargs(fd.forward) if rc.remat else None
@@ -315,6 +517,31 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         forward_kwargs=fkw, draft_forward=_draft_forward() if rc.loss_draft > 0 else None,
         draft_anchor_stride=rc.draft_anchor_stride)
 
+    # ---- every check passed: from here on the run writes into OUT
+    os.makedirs(rc.out, exist_ok=True)
+    if restored is None:
+        if rc.resume:
+            print(f"--resume: no finished checkpoint in {os.path.abspath(ckpt_dir)}; starting afresh", flush=True)
+        if latest is not None:   # --overwrite
+            shutil.rmtree(ckpt_dir)
+        _write_atomic(os.path.join(rc.out, "config.json"), json.dumps(cfg.to_dict(), indent=4) + "\n")
+        _write_atomic(os.path.join(rc.out, "run_config.json"), json.dumps(dataclasses.asdict(rc), indent=2))
+        _write_atomic(metrics_path, "")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(rc.out, "resumes.jsonl"))   # a stale one of the run this replaces
+    else:
+        _write_atomic(metrics_path, metrics_kept)
+        with open(os.path.join(rc.out, "resumes.jsonl"), "a") as fh:
+            fh.write(json.dumps({"from_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 "run_config": dataclasses.asdict(rc)}) + "\n")
+    ck = ckpt_mod.TrainCheckpointer(ckpt_dir, max_to_keep=rc.keep_last)
+    if restored is not None:
+        print(f"resumed from {ck.directory}/{start} (data epoch {data.epoch}, row {data.offset})", flush=True)
+    n_tr = sum(v.numel() for v in trainable.values())
+    print(f"model {rc.config}: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; {n_tr / 1e6:.2f}M "
+          f"trainable params in {len(trainable)} tensors, {len(frozen)} frozen leaves; data "
+          f"{data.stats()['rows_per_epoch']} rows/epoch of {rc.seq_len}", flush=True)
+
     bar = None
     if rc.progress == "on" or (rc.progress == "auto" and sys.stderr.isatty()):
         try:
@@ -323,24 +550,35 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         except ImportError:
             bar = None
     log = bar.write if bar is not None else (lambda s: print(s, flush=True))
+
+    def stop(msg: str) -> None:   # on the console and on stderr, after the pending saves are on disk
+        log(msg)
+        print(msg, file=sys.stderr, flush=True)
+
+    def last_good() -> str:
+        ck.wait()
+        last = ck.latest_step()
+        return "none" if last is None else os.path.join(ck.directory, str(last))
+
     m: dict = {}
-    status = "ok"
+    status, signum = "ok", None
     try:  # on any exit (also Ctrl-C or an exception) let pending async saves finish: they are good states
-        with open(metrics_path, "a") as mf:
+        with open(metrics_path, "a") as mf, _StopOnSignal() as sig:
             for s in range(start, rc.steps):
+                if sig.signum is not None:
+                    name = signal.Signals(sig.signum).name
+                    stop(f"STOPPED by {name} after step {s}. Last good checkpoint: {last_good()}; to continue, "
+                         f"run the same command with --resume")
+                    status, signum = "interrupted", sig.signum
+                    break
                 batch = data.next_batch()
                 if fault is not None:
                     trainable = fault(s, trainable)
-                lr = optim.lr_at(s, peak=rc.lr, warmup=rc.warmup, total=rc.steps, min_ratio=rc.min_lr_ratio)
+                lr = optim.lr_at(s, peak=rc.lr, warmup=rc.warmup, total=schedule_steps, min_ratio=rc.min_lr_ratio)
                 try:
                     trainable, opt_state, m = step_fn(trainable, opt_state, batch, lr=lr, step_no=s + 1)
                 except step_mod.NonFiniteError as e:
-                    ck.wait()
-                    last = ck.latest_step()
-                    msg = (f"STOPPED: {e}. No update was applied. Last good checkpoint: "
-                           f"{'none' if last is None else os.path.join(ck.directory, str(last))}")
-                    log(msg)
-                    print(msg, file=sys.stderr, flush=True)
+                    stop(f"STOPPED: {e}. No update was applied. Last good checkpoint: {last_good()}")
                     status = "non_finite"
                     break
                 m = {"step": s + 1, **m, "epoch": data.epoch, "wall": time.perf_counter() - t_start}
@@ -355,12 +593,14 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                     ck.save(s + 1, params={**trainable, **{k: v for k, v in frozen.items()
                                                            if isinstance(v, torch.Tensor)}},
                             opt_state=opt_state, data_state=data.state(), rng_state=torch.get_rng_state(),
-                            extra={"config": rc.config})
+                            extra={"config": rc.config, **record})
     finally:
         if bar is not None:
             bar.close()
         ck.close()
     result = {"status": status, "step": m.get("step", start), "metrics": m, "out": rc.out}
+    if signum is not None:
+        result["signal"] = signum
     if status != "ok":
         return result
 
@@ -385,8 +625,16 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Exit status per the module docstring."""
     rc = parse_args(sys.argv[1:] if argv is None else argv)
-    res = train(rc)
+    try:
+        res = train(rc)
+    except KeyboardInterrupt:   # a second Ctrl-C, or one before the loop started: no traceback for it
+        print(f"interrupted; finished checkpoints in {os.path.join(rc.out, 'ckpt')} are kept (continue with "
+              f"--resume)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    if res["status"] == "interrupted":
+        return 128 + res["signal"]
     return 0 if res["status"] == "ok" else 2
 
 

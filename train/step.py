@@ -13,8 +13,9 @@ fp32 masters receive the gradient of the bf16 computation.
 
 ``make_step`` returns ``step(trainable, opt_state, batch, *, lr, step_no) -> (trainable, opt_state,
 metrics)``: loss parts (train/loss.py), global-norm clipping, functional AdamW; nothing is modified
-in place. A non-finite loss part or gradient raises ``NonFiniteError`` naming the step and the
-part / leaves, before any update is applied.
+in place. Metrics: ``tokens`` counts the targets, ``tokens_per_s`` the non-padding input tokens (every
+slot when no ``pad_id`` is given) per second of step time. A non-finite loss part or gradient raises
+``NonFiniteError`` naming the step and the part / leaves, before any update is applied.
 
 ``remat(fn)``: activation checkpointing that works under ``torch.func`` transforms
 (``torch.utils.checkpoint`` does not: torch.func refuses saved-tensor hooks). The forward of the
@@ -216,10 +217,12 @@ def make_step(cfg, *, frozen: Mapping[str, object], dtypes: Mapping[str, torch.d
         _check_finite(step_no, parts, grads, gnorm, trainable)
         new_tr, new_opt = optim.adamw_update(clipped, opt_state, trainable, lr=lr, cfg=adamw)
         n_tok = int((batch["labels"] != loss_mod.IGNORE).sum())
+        ids = batch["input_ids"]
+        n_real = ids.numel() if pad_id is None else int((ids != pad_id).sum())   # padding slots are no throughput
         dt = time.perf_counter() - t0
         metrics = {**{f"loss/{k}": float(v) for k, v in parts.items()}, "lr": lr,
                    "grad_norm": float(gnorm), "tokens": n_tok, "step_time": dt,
-                   "tokens_per_s": batch["input_ids"].numel() / dt}
+                   "tokens_per_s": n_real / dt}
         return new_tr, new_opt, metrics
 
     return step
