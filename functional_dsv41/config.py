@@ -256,8 +256,10 @@ class Config:
         if self.hc_eps < 0:
             bad("hc_eps", f"must be >= 0 (added to the hyper-connection mixes before they are normalised), "
                           f"got {self.hc_eps}")
-        if self.vision_max_wh_ratio is not None and self.vision_max_wh_ratio <= 0:
-            bad("vision_max_wh_ratio", f"must be null or > 0 (an aspect ratio), got {self.vision_max_wh_ratio}")
+        if self.vision_max_wh_ratio is not None:     # the release's null; SPEC §12 leaves the stretch branch unused
+            bad("vision_max_wh_ratio", f"must be null (the release's value: images keep their aspect ratio; the "
+                                       f"stretch branch a ratio would select is not implemented), got "
+                                       f"{self.vision_max_wh_ratio}")
         if self.n_activated_experts > self.n_routed_experts:
             bad("n_activated_experts", f"{self.n_activated_experts} > n_routed_experts {self.n_routed_experts}")
         if self.n_mtp_layers and self.dspark_n_activated_experts > self.dspark_n_routed_experts:

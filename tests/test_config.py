@@ -190,6 +190,7 @@ FLASH_BAD = [
     ("original_seq_len", dict(original_seq_len=0)),
     ("hc_eps", dict(hc_eps=-1e-6)),
     ("vision_max_wh_ratio", dict(vision_max_wh_ratio=0.0)),
+    ("vision_max_wh_ratio", dict(vision_max_wh_ratio=2.0)),                     # the unimplemented stretch branch
 ]
 
 
@@ -200,7 +201,7 @@ def test_refusals_name_the_field(field, changes):
 
 
 def test_numeric_ranges_accept_the_valid_side():
-    Config.flash(vision_max_wh_ratio=2.0, hc_eps=0.0, gate_temp=0.5, rope_factor=1, original_seq_len=1)
+    Config.flash(vision_max_wh_ratio=None, hc_eps=0.0, gate_temp=0.5, rope_factor=1, original_seq_len=1)
 
 
 def test_optional_part_sizes_only_checked_when_enabled():
