@@ -13,7 +13,7 @@ sampling uses a seeded ``torch.Generator`` on the tokens' device. Outputs exclud
 BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row stopped.
 
     python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
-        [--temperature T] [--top-p P] [--speculative] [--seed S]
+        [--temperature T] [--top-p P] [--speculative] [--seed S] [--image FILE ...] [--no-bos]
 """
 from __future__ import annotations
 
@@ -315,6 +315,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = Config.from_json(ck / "config.json")
     except ValueError as e:                      # ConfigError
         return fail(str(e))
+    if args.speculative and cfg.n_mtp_layers < 1:
+        return fail(f"--speculative needs DSpark draft stages, and {ck}'s config has none (n_mtp_layers = 0; "
+                    f"train/run.py's tiny preset trains none: use --config tiny-dspark)")
     pics = []
     if args.image:
         from .image_processor import load_image

@@ -141,3 +141,19 @@ def test_cli_images(capsys, tmp_path):
     assert rc == 2 and err.startswith(f"error: --image {junk}: cannot read it as an image"), err
     rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", "--image", str(junk))
     assert rc == 2 and "no vision tower (vision_n_layers = 0)" in err, err
+
+
+def test_cli_speculative_needs_draft_stages(capsys, tmp_path):
+    """The README's main job exports a model without DSpark stages: --speculative on it is an 'error:' line."""
+    import json
+    import shutil
+    src = fixture_dir("tiny-bf16")
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["n_mtp_layers"] > 0
+    cfg["compress_ratios"] = cfg["compress_ratios"][:len(cfg["compress_ratios"]) - cfg["n_mtp_layers"]]
+    cfg["n_mtp_layers"] = 0
+    for f in ("tokenizer.json", "model.safetensors"):
+        shutil.copy(src / f, tmp_path / f)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, err = _cli(capsys, "--ckpt", str(tmp_path), "--prompt", "hi", "--speculative")
+    assert rc == 2 and err.startswith("error: --speculative needs DSpark draft stages"), err
