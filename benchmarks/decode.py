@@ -1,7 +1,7 @@
 """Decode throughput on CPU for a small config, with and without DSpark speculation, and the decode
 state's bytes per cached token.
 
-    python benchmarks/decode.py [--batch 2] [--prompt 32] [--new 32] [--threads 1] [--peaked]
+    .venv/bin/python benchmarks/decode.py [--batch 2] [--prompt 32] [--new 32] [--threads 1] [--peaked]
 
 Random weights: a random drafter never agrees with a random main model, so speculation then costs a
 draft + verify (+ sometimes a rollback re-run) per token. ``--peaked`` scales a few LM-head rows so

@@ -1,6 +1,6 @@
 """Engram lookup from a memory-mapped fp8 table (SPEC §6.5): rows/s and resident memory.
 
-    python benchmarks/engram_lookup.py [--rows 20000000] [--dim 256] [--tokens 4096] [--iters 5]
+    .venv/bin/python benchmarks/engram_lookup.py [--rows 20000000] [--dim 256] [--tokens 4096] [--iters 5]
 
 Writes a synthetic table (fp8 e4m3 rows [rows, dim] followed by e8m0 scales [rows, dim/32]) to a
 temporary file and gathers random row ids the way a forward does (tokens x 24 ids) with

@@ -6,7 +6,7 @@ candidate blocks and the top-k) is the one quadratic term. The table prints the 
 each length, the indexer's share of it (from a profile of one more forward), and the time per token
 of everything else, which stays flat (linear total cost) past the window.
 
-    python benchmarks/forward.py [--lengths 64,128,...] [--batch 1] [--repeat 2] [--threads N]
+    .venv/bin/python benchmarks/forward.py [--lengths 64,128,...] [--batch 1] [--repeat 2] [--threads N]
 """
 from __future__ import annotations
 

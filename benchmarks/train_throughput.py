@@ -1,6 +1,6 @@
 """Training throughput on CPU: tokens/s of the full functional train step, and peak memory (RSS).
 
-    python benchmarks/train_throughput.py [--config tiny] [--batch 8] [--seq 128] [--steps 8]
+    .venv/bin/python benchmarks/train_throughput.py [--config tiny] [--batch 8] [--seq 128] [--steps 8]
                                           [--threads 1] [--mode dequant|qat] [--remat]
 
 The step is the one ``train/run.py`` runs (``torch.func.grad_and_value`` over the fp32 master leaves,

@@ -12,7 +12,7 @@ Host synchronisation: one per step for the stop check (and, speculative, the acc
 sampling uses a seeded ``torch.Generator`` on the tokens' device. Outputs exclude the prompt and stop
 BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row stopped.
 
-    python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
+    .venv/bin/python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
         [--temperature T] [--top-p P] [--speculative] [--seed S] [--image FILE ...] [--no-bos]
 """
 from __future__ import annotations

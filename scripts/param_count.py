@@ -1,6 +1,6 @@
 """Print the logical parameter count of a config by group (default: the release, Config.flash()).
 
-    python scripts/param_count.py [config.json]
+    .venv/bin/python scripts/param_count.py [config.json]
 """
 import sys
 
