@@ -67,6 +67,21 @@ def test_chunked_prefill_equals_one_prefill(sizes):
         assert torch.equal(_topk_sets(topk[L], k), _topk_sets(ref_topk[L], k)), L
 
 
+@pytest.mark.parametrize("sizes", [[1] * 70, [4, 4, 5, 57], [33, 1, 1, 2, 7, 26]])
+def test_chunked_prefill_bitwise_where_index_lists_grow(sizes):
+    """Window 5 and ratio-3 / ratio-1 layers whose top-k is still filling up: a query's index list is longer in
+    a one-shot prefill (window + every entry of the chunk) than in a chunked one (entries so far), padded with
+    holes. The sparse attention's row sums must not depend on that length (a CPU sum over a shorter last block
+    rounds differently): the runs agree bit for bit."""
+    cfg, params = random_model(compress_ratios=(0, 0, 3, 3, 3, 1, 1, 1, 1, 1, 0, 0), window_size=5, max_seq_len=96)
+    ids = torch.randint(3, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_hidden, _ = run_chunks(params, cfg, ids, [70])
+    logits, hidden, _ = run_chunks(params, cfg, ids, sizes)
+    for L in cfg.layer_ids:
+        assert torch.equal(hidden[L], ref_hidden[L]), L
+    assert torch.equal(logits, ref_logits)
+
+
 def test_chunked_prefill_matches_golden_prefix_prefills():
     """decode.{k}.prefill_logits are the reference's prefill of P+k+1 tokens: one chunk of 41 + k+1 singles."""
     skip_off_golden_trajectory("tiny-bf16")
