@@ -208,12 +208,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
 
 def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
                       hc_mult: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6):
-    """Split the (2+hc)*hc mixes into pre [.., hc], post [.., hc], comb [.., hc, hc] (SPEC §2, §10.6). fp32.
+    """Split the (2+hc)*hc mixes into pre [.., hc], post [.., hc], comb [.., hc, hc] (SPEC §2, §10.6). fp32 (the
+    arithmetic and the outputs, whatever the inputs' dtype: fp64 inputs do not make it an fp64 op).
 
     comb = softmax over the last dim + eps, column-normalise, then (iters-1) x (row, column) normalise.
     """
     hc = hc_mult
-    mixes = mixes.float()
+    mixes, hc_scale, hc_base = mixes.float(), hc_scale.float(), hc_base.float()   # fp32 arithmetic, whatever comes in
     pre = invariant.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps
     post = 2 * invariant.sigmoid(mixes[..., hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc])
     c = (mixes[..., 2 * hc:] * hc_scale[2] + hc_base[2 * hc:]).unflatten(-1, (hc, hc))

@@ -231,3 +231,12 @@ def test_auto_sees_keyword_tensors_and_the_signature(monkeypatch):
     assert seen == [True, True]
     params = inspect.signature(K.sparse_attn).parameters
     assert list(params)[:5] == ["q", "kv", "attn_sink", "topk_idxs", "softmax_scale"] and "impl" in params
+
+
+def test_hc_split_sinkhorn_is_fp32_whatever_the_inputs():
+    g = torch.Generator().manual_seed(0)
+    m, s, b = torch.randn(2, 3, 24, generator=g), torch.rand(3, generator=g), torch.randn(24, generator=g)
+    want = K.hc_split_sinkhorn(m, s, b, impl="torch")
+    got = K.hc_split_sinkhorn(m.double(), s.double(), b.double(), impl="torch")
+    for w, o in zip(want, got):
+        assert o.dtype == torch.float32 and torch.equal(o, w)
