@@ -31,13 +31,19 @@ _PRECISION_BITS = 32 - 8 - 2   # Pillow Resample.c, 8 bits per channel
 
 # ----------------------------------------------------------------------------------------------- decode
 def decode_png(data: bytes) -> np.ndarray:
-    """PNG bytes -> uint8 [h, w, c] (c = 1, 2, 3, 4 as stored). 8-bit, non-interlaced only (stdlib zlib)."""
+    """PNG bytes -> uint8 [h, w, c] (c = 1, 2, 3, 4 as stored). 8-bit, non-interlaced only (stdlib zlib).
+    A damaged file (bad chunk CRC, truncated or corrupt image data) is a ValueError saying so."""
     if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError("decode_png: not a PNG file")
+        raise ValueError("decode_png: not a PNG file (other formats need Pillow: pip install pillow)")
     pos, idat, hdr = 8, [], None
     while pos + 8 <= len(data):
         n, typ = struct.unpack(">I4s", data[pos:pos + 8])
         chunk = data[pos + 8:pos + 8 + n]
+        crc = data[pos + 8 + n:pos + 12 + n]
+        if len(chunk) != n or len(crc) != 4:
+            raise ValueError(f"decode_png: truncated file (chunk {typ!r} at byte {pos} needs {n + 12} bytes)")
+        if zlib.crc32(typ + chunk) != struct.unpack(">I", crc)[0]:
+            raise ValueError(f"decode_png: corrupt file (CRC mismatch in chunk {typ!r} at byte {pos})")
         pos += 12 + n
         if typ == b"IHDR":
             hdr = struct.unpack(">IIBBBBB", chunk)
@@ -50,10 +56,18 @@ def decode_png(data: bytes) -> np.ndarray:
     w, h, depth, ctype, _, _, interlace = hdr
     if depth != 8 or interlace or ctype not in (0, 2, 4, 6):
         raise ValueError(f"decode_png: only 8-bit non-interlaced grey/RGB(A) PNGs are supported without Pillow "
-                         f"(bit depth {depth}, colour type {ctype}, interlace {interlace})")
+                         f"(bit depth {depth}, colour type {ctype}, interlace {interlace}); pip install pillow")
+    if w < 1 or h < 1:
+        raise ValueError(f"decode_png: empty image ({w} x {h})")
     bpp = {0: 1, 2: 3, 4: 2, 6: 4}[ctype]
-    raw = np.frombuffer(zlib.decompress(b"".join(idat)), np.uint8)
     stride = w * bpp
+    try:
+        raw = np.frombuffer(zlib.decompress(b"".join(idat)), np.uint8)
+    except zlib.error as e:
+        raise ValueError(f"decode_png: corrupt image data ({e})") from None
+    if raw.size != h * (stride + 1):
+        raise ValueError(f"decode_png: the image data holds {raw.size} bytes, a {w} x {h} image with {bpp} "
+                         f"byte(s) a pixel needs {h * (stride + 1)}")
     rows = raw.reshape(h, stride + 1)
     out = np.zeros((h, stride), np.int32)
     prev = np.zeros(stride, np.int32)
@@ -61,24 +75,24 @@ def decode_png(data: bytes) -> np.ndarray:
         f, line = rows[y, 0], rows[y, 1:].astype(np.int32)
         if f == 0:
             cur = line
+        elif f == 1:                                     # Sub: a running sum along the row, per channel
+            cur = (np.cumsum(line.reshape(w, bpp), axis=0) & 255).reshape(stride).astype(np.int32)
         elif f == 2:
             cur = (line + prev) & 255
-        else:                                            # Sub / Average / Paeth: left-to-right per pixel
+        elif f in (3, 4):                                # Average / Paeth: left-to-right per pixel
             cur = np.zeros(stride, np.int32)
             for i in range(0, stride, bpp):
                 a = cur[i - bpp:i] if i else np.zeros(bpp, np.int32)
                 b = prev[i:i + bpp]
                 c = prev[i - bpp:i] if i else np.zeros(bpp, np.int32)
-                if f == 1:
-                    p = a
-                elif f == 3:
+                if f == 3:
                     p = (a + b) >> 1
-                elif f == 4:
+                else:
                     pa, pb, pc = np.abs(b - c), np.abs(a - c), np.abs(a + b - 2 * c)
                     p = np.where((pa <= pb) & (pa <= pc), a, np.where(pb <= pc, b, c))
-                else:
-                    raise ValueError(f"decode_png: bad filter type {f}")
                 cur[i:i + bpp] = (line[i:i + bpp] + p) & 255
+        else:
+            raise ValueError(f"decode_png: bad filter type {f} in row {y}")
         out[y] = cur
         prev = cur
     return out.reshape(h, w, bpp).astype(np.uint8)
@@ -165,12 +179,19 @@ def _bicubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
                     np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
 
 
-def _coeffs(in_size: int, out_size: int) -> np.ndarray:
-    """Pillow ``precompute_coeffs`` + ``normalize_coeffs_8bpc``: int64 [out_size, in_size] fixed point."""
+def _coeffs(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pillow ``precompute_coeffs`` + ``normalize_coeffs_8bpc`` as bands: (first input index [out_size], int64
+    fixed-point weights [out_size, K]), output xx = sum_k w[xx, k] * in[first[xx] + k] (weights past an output's
+    support are 0). Banded rather than a dense [out_size, in_size] matrix: a 4032-pixel side costs K ~ 10
+    weights an output, not 4032 (the dense form took minutes and gigabytes on a phone photo)."""
+    if in_size < 1 or out_size < 1:
+        raise ValueError(f"resize: sizes must be >= 1, got {in_size} -> {out_size}")
     scale = in_size / out_size
     fscale = max(scale, 1.0)
     support = 2.0 * fscale
-    m = np.zeros((out_size, in_size), np.int64)
+    K = int(math.ceil(support)) * 2 + 1
+    first = np.zeros(out_size, np.int64)
+    w = np.zeros((out_size, K), np.int64)
     for xx in range(out_size):
         center = (xx + 0.5) * scale
         xmin = max(int(center - support + 0.5), 0)
@@ -180,26 +201,34 @@ def _coeffs(in_size: int, out_size: int) -> np.ndarray:
         if ww != 0:
             k = k / ww
         q = k * (1 << _PRECISION_BITS)
-        m[xx, xmin:xmax] = np.where(q < 0, np.trunc(q - 0.5), np.trunc(q + 0.5)).astype(np.int64)
-    return m
+        first[xx] = xmin
+        w[xx, :xmax - xmin] = np.where(q < 0, np.trunc(q - 0.5), np.trunc(q + 0.5)).astype(np.int64)
+    return first, w
 
 
 def resize_bicubic(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """uint8 [h, w, c] -> uint8 [H, W, c], size = (W, H): Pillow ``Image.resize(size, BICUBIC)`` bit for bit
-    (horizontal pass, clip to uint8, vertical pass; each pass skipped when that side keeps its size)."""
+    (horizontal pass, clip to uint8, vertical pass; each pass skipped when that side keeps its size). Integer
+    arithmetic throughout, so the order of the sums cannot change a bit."""
     W, H = size
     x = img.astype(np.int64)
     half = 1 << (_PRECISION_BITS - 1)
 
-    def apply(m, v, axis):
-        y = np.tensordot(m, v, axes=([1], [axis]))
-        y = np.moveaxis(y, 0, axis)
+    def apply(v, out_size, axis):
+        n = v.shape[axis]
+        first, w = _coeffs(n, out_size)
+        y = 0
+        for k in range(w.shape[1]):
+            idx = np.minimum(first + k, n - 1)            # past the support the weight is 0
+            shape = [1] * v.ndim
+            shape[axis] = out_size
+            y = y + w[:, k].reshape(shape) * np.take(v, idx, axis=axis)
         return np.clip((y + half) >> _PRECISION_BITS, 0, 255)
 
     if W != x.shape[1]:
-        x = apply(_coeffs(x.shape[1], W), x, 1)
+        x = apply(x, W, 1)
     if H != x.shape[0]:
-        x = apply(_coeffs(x.shape[0], H), x, 0)
+        x = apply(x, H, 0)
     return x.astype(np.uint8)
 
 
@@ -213,6 +242,9 @@ def pad_to(img: np.ndarray, best_w: int, best_h: int) -> np.ndarray:
             nh = round(h / w * best_w)
         else:
             nw = round(w / h * best_h)
+    if nw < 1 or nh < 1:
+        raise ValueError(f"image {w} x {h}: its aspect ratio is too extreme for a {best_w} x {best_h} canvas (it "
+                         f"would be resized to {nw} x {nh})")
     r = resize_bicubic(img, (nw, nh)) if (nw, nh) != (w, h) else img
     if (nw, nh) == (best_w, best_h):
         return r

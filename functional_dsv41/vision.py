@@ -170,7 +170,14 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
     """
     images = batch["images"]
     b, s = h.shape[:2]
-    if not cfg.vision_enabled and not (isinstance(images, (list, tuple)) and all(i is None for i in images)):
+    if isinstance(images, (list, tuple)) and len(images) == b and all(i is None or (isinstance(i, (list, tuple))
+                                                                               and not i) for i in images):
+        # no row has an image: the text forward, at any chunk and without token_types (image spans in
+        # token_types fall through to the checks below, which name the rows whose images are missing)
+        tt = batch.get("token_types")
+        if tt is None or not bool((tt >= 0).any()):
+            return h
+    if not cfg.vision_enabled:
         raise ValueError(f"forward: this config has no vision tower (vision_n_layers = {cfg.vision_n_layers}): "
                          "batch['images'] is not supported")
     if start != 0:

@@ -5,6 +5,7 @@ reference bit for bit; every block output too; tolerances asserted are DESIGN.md
 config: cosine diff < 1e-3 per block, top-k sets and expert choices exact, logits max-abs
 < 2e-2 * max|logit| with equal argmax).
 """
+import numpy as np
 import pytest
 import torch
 
@@ -268,6 +269,14 @@ def test_text_only_rows_unchanged_by_images_key():
     a = fd.forward(params, {"input_ids": ids, "token_types": tt}, cfg=cfg).logits
     b = fd.forward(params, {"input_ids": ids, "token_types": tt, "images": [None, None]}, cfg=cfg).logits
     assert torch.equal(a, b)
+    c = fd.forward(params, {"input_ids": ids, "images": [None, []]}, cfg=cfg).logits       # no token_types either
+    assert torch.equal(a, c)
+    st = fd.forward(params, {"input_ids": ids[:, :5]}, cfg=cfg, state=fd.init_state(cfg, 2, 32)).state
+    d = fd.forward(params, {"input_ids": ids[:, 5:], "images": [None, None]}, cfg=cfg, state=st).logits   # chunk 2
+    assert torch.equal(d, fd.forward(params, {"input_ids": ids[:, 5:]}, cfg=cfg, state=fd.forward(
+        params, {"input_ids": ids[:, :5]}, cfg=cfg, state=fd.init_state(cfg, 2, 32)).state).logits)
+    with pytest.raises(ValueError, match="row 0"):            # image types with no image: the span checks refuse
+        fd.forward(params, {"input_ids": ids, "token_types": torch.zeros_like(ids), "images": [None, None]}, cfg=cfg)
 
 
 def test_generate_with_images_matches_golden_tokens():
@@ -306,3 +315,74 @@ def test_generate_refuses_image_spans_past_the_first_chunk():
     types[1 - r] = types[1 - r][:5]
     with pytest.raises(ValueError, match="image tokens past position 5"):
         fd.generate(params, prompts, cfg=cfg, max_new_tokens=2, images=images_of(g, 2), token_types=types)
+
+
+def _dense_bicubic(img, size):
+    """Pillow's two-pass bicubic as dense [out, in] fixed-point matrices (the former implementation): the
+    banded resize must give the same bits."""
+    def coeffs(n_in, n_out):
+        scale, m = n_in / n_out, np.zeros((n_out, n_in), np.int64)
+        fscale = max(scale, 1.0)
+        for xx in range(n_out):
+            c = (xx + 0.5) * scale
+            lo, hi = max(int(c - 2 * fscale + 0.5), 0), min(int(c + 2 * fscale + 0.5), n_in)
+            k = ip._bicubic((np.arange(lo, hi) - c + 0.5) / fscale)
+            k = k / k.sum() if k.sum() != 0 else k
+            q = k * (1 << ip._PRECISION_BITS)
+            m[xx, lo:hi] = np.where(q < 0, np.trunc(q - 0.5), np.trunc(q + 0.5))
+        return m
+
+    x, half = img.astype(np.int64), 1 << (ip._PRECISION_BITS - 1)
+    for axis, n in ((1, size[0]), (0, size[1])):
+        if n != x.shape[axis]:
+            y = np.moveaxis(np.tensordot(coeffs(x.shape[axis], n), x, axes=([1], [axis])), 0, axis)
+            x = np.clip((y + half) >> ip._PRECISION_BITS, 0, 255)
+    return x.astype(np.uint8)
+
+
+@pytest.mark.parametrize("src, size", [((37, 23), (100, 61)), ((300, 200), (41, 97)), ((64, 48), (64, 17)),
+                                       ((5, 400), (3, 1000)), ((1, 1), (14, 28))])
+def test_banded_resize_is_the_dense_pillow_resize(src, size):
+    img = np.random.default_rng(0).integers(0, 256, (src[1], src[0], 3), dtype=np.uint8)
+    assert np.array_equal(ip.resize_bicubic(img, size), _dense_bicubic(img, size))
+
+
+def test_large_and_extreme_images():
+    cfg, _, _ = setup()
+    wide = np.random.default_rng(1).integers(0, 256, (1, 20000, 3), dtype=np.uint8)
+    out = ip.resize_bicubic(wide, (700, 1))                    # a dense matrix here took ~7 GB and 44 s
+    assert out.shape == (1, 700, 3)
+    with pytest.raises(ValueError, match="aspect ratio is too extreme"):
+        ip.pad_to(np.zeros((1, 100000, 3), np.uint8), 28, 1400)
+
+
+def _png(pixels: np.ndarray, filt: int = 0, width=None) -> bytes:
+    """A minimal 8-bit RGB PNG writer (every row with filter ``filt``: 0 None or 1 Sub; ``width``: the width
+    the header declares, if not the pixels')."""
+    import struct
+    import zlib
+    h, w, c = pixels.shape
+    rows = []
+    for row in pixels.reshape(h, w * c).astype(np.int32):
+        if filt == 1:
+            row = (row - np.concatenate([np.zeros(c, np.int32), row[:-c]])) & 255
+        rows.append(bytes([filt]) + row.astype(np.uint8).tobytes())
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width or w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b""))
+
+
+def test_decode_png_filters_and_damaged_files():
+    px = np.random.default_rng(2).integers(0, 256, (7, 11, 3), dtype=np.uint8)
+    for filt in (0, 1):
+        assert np.array_equal(ip.decode_png(_png(px, filt)), px)
+    good = _png(px, 1)
+    bad_crc = bytearray(good)
+    bad_crc[40] ^= 1                                           # a byte of the IDAT data
+    for data, match in [(bytes(bad_crc), "CRC mismatch"), (good[:60], "truncated file"),
+                        (_png(px[:, :5], width=11), "image data holds 112 bytes, a 11 x 7 image"),
+                        (b"\xff\xd8\xff\xe0 a jpeg", "pip install pillow")]:
+        with pytest.raises(ValueError, match=match):
+            ip.decode_png(data)
