@@ -115,8 +115,11 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
             # scoring op. The KL student reads these scores at the selected slots only, which are all
             # candidates, so masking first changes neither its values there nor its gradient.
             cand = shared.candidates if cfg.uses_candidates(L) else None
-            score = index_scores(p["indexer"], x, qr, keys, visible, cfg=cfg, layer_id=L, pos=chunk.pos, mode=mode,
-                                 qdq=qdq, cand=cand, impl=impl)
+            # the indexer's inputs detached (DeepSeek-V3.2's separate optimisation): its scores only select
+            # slots (no gradient), so the indexer-KL student is their only gradient path, and it trains the
+            # indexer alone; the main model learns from the LM loss only. Values are unchanged.
+            score = index_scores(p["indexer"], x.detach(), qr.detach(), keys, visible, cfg=cfg, layer_id=L,
+                                 pos=chunk.pos, mode=mode, qdq=qdq, cand=cand, impl=impl)
             if L == cfg.candidate_source_layer:
                 nb = None if chunk.packed else -(-score.shape[-1] // cfg.candidate_block_size)
                 blk = shared.blocks[src] if chunk.packed else cfg.candidate_block_size   # plain rows: j // size
@@ -163,7 +166,8 @@ def indexer_kl_terms(q, kv_all, sink, idx, topk, student, scale) -> dict:
 
     teacher [b, s, H, k]: the attention's own probability (sink included in the normaliser) on each
     selected compressed slot, per head, detached. student [b, s, k]: the indexer's scores at those
-    slots, taken before the candidate mask (the only path by which the indexer gets a gradient).
+    slots, taken before the candidate mask (the only path by which the indexer gets a gradient; its inputs
+    are detached, so it reaches the indexer's own weights only).
     valid [b, s, k]: the slot exists.
     """
     k = topk.shape[-1]
@@ -185,7 +189,7 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
     L = layer_id
     r = cfg.compress_ratio(L)
     ent, (part_kv, part_s) = compress(p["compressor"], x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache, mode=mode)
-    keys_new = index_keys(p["indexer"], ent.latent, ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)
+    keys_new = index_keys(p["indexer"], ent.latent.detach(), ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)  # (above)
     kv_new = apply_rope(ent.latent, rope_angles(cfg, L, ent.rope_pos))
     kv_new = fp4_qdq(kv_new, 16, quant.FP8, qdq)
     end, seg, group = ent.end, ent.seg, ent.rope_pos // r

@@ -80,6 +80,14 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
     return h, f_pre, cache, shared
 
 
+def _block_aux(p: dict, h: torch.Tensor, pre_in: torch.Tensor, **kw):
+    """``block`` with the layer's indexer-KL terms as a fifth result ({} where the layer has none) rather than
+    written into a dict the caller passes in: a block wrapper (``train.step.remat``) then sees them as outputs,
+    recomputes and differentiates them as it does h."""
+    layer_aux: dict = {}
+    return (*block(p, h, pre_in, aux=layer_aux, **kw), layer_aux)
+
+
 def _check_state(state) -> None:
     """Checks that cost no device work, run even with ``validate=False``: a wrong object in ``state=``
     (e.g. the ForwardOutput instead of its ``.state``) and a stale state (state.py, "Branching")."""
@@ -233,7 +241,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     stamps = begin_append(state, start + s) if state is not None else None
     main_hidden, hidden, pre_mix = [], {}, {}
     aux_indexer = {} if aux else None
-    run_block = block if block_wrapper is None else block_wrapper(block)
+    blk = _block_aux if aux else block
+    run_block = blk if block_wrapper is None else block_wrapper(blk)
     for L in cfg.layer_ids:
         p = params["layers"][L]
         e = cfg.engram_index(L)
@@ -244,12 +253,11 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
                 debug[f"layer.{L}.engram_out"] = h
         if L in cfg.dspark_target_layer_ids:
             main_hidden.append(h.mean(dim=2))
-        layer_aux = {} if aux else None
-        h, pre, caches[L], shared = run_block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L],
-                                          shared=shared, image_mask=image_mask, mode=mode, impl=impl,
-                                          dispatch=dispatch, qdq=qdq, debug=debug, aux=layer_aux)
-        if layer_aux:
-            aux_indexer[L] = layer_aux
+        out = run_block(p, h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=caches[L], shared=shared,
+                        image_mask=image_mask, mode=mode, impl=impl, dispatch=dispatch, qdq=qdq, debug=debug)
+        h, pre, caches[L], shared = out[:4]
+        if aux and out[4]:
+            aux_indexer[L] = out[4]
         if return_hidden:
             hidden[L], pre_mix[L] = h, pre
 

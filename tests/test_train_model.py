@@ -26,7 +26,7 @@ def one_thread():
 def setup(one_thread):
     torch.manual_seed(0)
     cfg = run.tiny_model()
-    rc = run.RunConfig(seed=0)
+    rc = run.RunConfig(seed=0, loss_indexer_kl=0.1)        # the indexer trainable (CE alone would freeze it)
     from functional_dsv41.engram import build_token_map
     tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
     tr, fr = run.init_train_params(cfg, rc, tm)
@@ -95,11 +95,8 @@ def test_loss_parts_follow_coefficients(setup):
 def test_indexer_kl_part_when_the_forward_has_aux(setup):
     cfg, tr, fr, batch = setup
     params = _params(cfg, tr, fr)
-    try:
-        total, parts = L.compute_losses(params, batch, cfg=cfg, coefs={"ce": 1.0, "indexer_kl": 0.1},
-                                        forward=fd.forward, pad_id=PAD)
-    except NotImplementedError as e:
-        pytest.skip(f"model forward has no indexer aux yet: {e}")
+    total, parts = L.compute_losses(params, batch, cfg=cfg, coefs={"ce": 1.0, "indexer_kl": 0.1},
+                                    forward=fd.forward, pad_id=PAD)
     assert set(parts) == {"ce", "indexer_kl"} and bool(torch.isfinite(parts["indexer_kl"]))
     assert float(parts["indexer_kl"]) >= 0
     assert torch.allclose(total, parts["ce"] + 0.1 * parts["indexer_kl"])
@@ -109,6 +106,27 @@ def test_indexer_kl_part_when_the_forward_has_aux(setup):
     for k in ("layers.2.attn.indexer.wq_b.weight", "layers.5.attn.indexer.weights_proj.weight",
               "layers.2.attn.indexer.wk.weight"):
         assert float(grads[k].abs().max()) > 0, f"the KL gives {k} no gradient"
+    # the indexer's inputs are detached: the KL trains the indexer and nothing else (DeepSeek-V3.2)
+    reached = sorted(k for k, g in grads.items() if ".attn.indexer." not in k and bool(g.abs().max() > 0))
+    assert not reached, f"the indexer KL reaches {len(reached)} non-indexer leaves, e.g. {reached[:3]}"
+
+
+def test_remat_keeps_the_indexer_kl_and_its_gradients(setup):
+    """Per-block remat recomputes the block, the indexer-KL terms included: same loss and gradients."""
+    cfg, tr, fr, batch = setup
+    dtypes = S.compute_dtypes(cfg, tr)
+    coefs = {"ce": 1.0, "indexer_kl": 0.5}
+
+    def loss(t, **fkw):
+        fwd = (lambda *a, **k: fd.forward(*a, **k, **fkw)) if fkw else fd.forward
+        return L.compute_losses(S.assemble(t, fr, dtypes), batch, cfg=cfg, forward=fwd, coefs=coefs, pad_id=PAD)[0]
+
+    g0, v0 = torch.func.grad_and_value(loss)(tr)
+    g1, v1 = torch.func.grad_and_value(lambda t: loss(t, **S.remat_forward_kwargs(fd.forward)))(tr)
+    assert torch.equal(v0, v1)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), k
+    assert float(g1["layers.2.attn.indexer.wq_b.weight"].abs().max()) > 0
 
 
 def test_draft_loss_part(setup):
@@ -116,7 +134,7 @@ def test_draft_loss_part(setup):
     cfg = run.PRESETS["tiny-dspark"][0](T.TOKENIZER_JSON)
     from functional_dsv41.engram import build_token_map
     tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
-    tr, fr = run.init_train_params(cfg, run.RunConfig(), tm)
+    tr, fr = run.init_train_params(cfg, run.RunConfig(loss_draft=1.0), tm)
     from functional_dsv41.dspark import dspark_forward
     step = S.make_step(cfg, frozen=fr, dtypes=S.compute_dtypes(cfg, tr), forward=fd.forward,
                        coefs={"ce": 1.0, "draft": 0.5}, pad_id=PAD, draft_forward=dspark_forward,
@@ -173,7 +191,7 @@ def test_qat_mode_reaches_the_model(setup):
     cfg = run.PRESETS["tiny-qat"][0](T.TOKENIZER_JSON)
     from functional_dsv41.engram import build_token_map
     tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
-    tr, fr = run.init_train_params(cfg, run.RunConfig(), tm)
+    tr, fr = run.init_train_params(cfg, run.RunConfig(loss_draft=1.0), tm)
     assert tr["layers.0.ffn.experts.0.w1.weight"].dtype == torch.float32            # master, not fp4 storage
     dtypes = S.compute_dtypes(cfg, tr)
 
@@ -187,3 +205,21 @@ def test_qat_mode_reaches_the_model(setup):
     assert bool(torch.isfinite(l_q)) and float(l_q) != float(l_d)
     assert float(g_q["layers.0.ffn.experts.0.w1.weight"].abs().max()) > 0
     assert all(bool(torch.isfinite(g).all()) for g in g_q.values())
+
+
+def test_params_no_active_loss_reaches_are_frozen():
+    """CE alone reaches neither the indexer (its inputs are detached, its scores only select) nor the DSpark
+    stages: their gradient is exactly zero, and AdamW's weight decay would still shrink them every step, so
+    run.py freezes them (step.unreached_patterns); each joins the trainable set with its own loss part."""
+    cfg = run.PRESETS["tiny-dspark"][0](T.TOKENIZER_JSON)
+    from functional_dsv41.engram import build_token_map
+    tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
+    for coefs, frozen_parts in (({}, (".attn.indexer.", "mtp.")), ({"loss_draft": 1.0}, (".attn.indexer.",)),
+                                ({"loss_indexer_kl": 1.0}, ("mtp.",)),
+                                ({"loss_draft": 1.0, "loss_indexer_kl": 1.0}, ())):
+        tr, fr = run.init_train_params(cfg, run.RunConfig(**coefs), tm)
+        for part in (".attn.indexer.", "mtp."):
+            in_tr = any(part in k for k in tr)
+            assert in_tr == (part not in frozen_parts), (coefs, part)
+            if part in frozen_parts:
+                assert any(part in k for k in fr), (coefs, part)

@@ -84,7 +84,8 @@ class RunConfig:
     loss_draft: float = 0.0        # DSpark draft loss (needs DSpark stages: n_mtp_layers > 0)
     draft_anchor_stride: int = 4   # draft after every k-th position (cost: anchors x block queries)
     loss_indexer_kl: float = 0.0   # lightning-indexer KL (needs forward(aux=True))
-    frozen: str = ",".join(step_mod.FROZEN_DEFAULT)   # comma-separated globs of frozen param paths
+    frozen: str = ",".join(step_mod.FROZEN_DEFAULT)   # comma-separated globs of frozen param paths (and always
+    #                                                   those no active loss reaches: step.unreached_patterns)
     remat: bool = False            # per-block activation checkpointing (needs the model hook)
     corpus: str = CORPUS_TXT
     tokenizer: str = TOKENIZER_JSON
@@ -206,7 +207,7 @@ def init_train_params(cfg: fd.Config, rc: RunConfig, token_map: torch.Tensor):
     """fp32 master params + frozen leaves in storage form (Engram tables fp8 + scale, token map)."""
     master = fd.flatten_with_paths(fd.init_params(cfg, seed=rc.seed, dtype_master=torch.float32))
     master["engram_token_map"] = token_map
-    pats = [p for p in rc.frozen.split(",") if p]
+    pats = [p for p in rc.frozen.split(",") if p] + list(step_mod.unreached_patterns(rc.coefs))
     storage = ckpt_mod.to_storage(master, cfg)
     import fnmatch
     flat = {}

@@ -17,8 +17,9 @@ in place. Metrics: ``tokens`` counts the targets, ``tokens_per_s`` the non-paddi
 slot when no ``pad_id`` is given) per second of step time. A non-finite loss part or gradient raises
 ``NonFiniteError`` naming the step and the part / leaves, before any update is applied.
 
-``remat(fn)``: activation checkpointing that works under ``torch.func`` transforms
-(``torch.utils.checkpoint`` does not: torch.func refuses saved-tensor hooks). The forward of the
+``remat(fn)``: activation checkpointing that works under ``torch.func.grad`` / ``grad_and_value`` and
+``torch.autograd`` (``torch.utils.checkpoint`` does not: torch.func refuses saved-tensor hooks); not under
+``jvp`` or ``vmap``, which would need a forward-mode rule and a batching rule for its autograd.Function. The forward of the
 wrapped function runs without saving intermediates; the backward recomputes it with
 ``torch.func.vjp``. It needs a hook in the model to wrap each block (see ``remat_forward_kwargs``).
 """
@@ -39,6 +40,18 @@ from . import loss as loss_mod
 from . import optim
 
 FROZEN_DEFAULT = ("layers.*.engram.embed.*",)
+
+# leaves that only one loss part reaches: the indexer (its inputs are detached; its scores select slots, which
+# carries no gradient) only the indexer-KL, the DSpark stages only the draft loss
+REACHED_ONLY_BY = {"indexer_kl": ("layers.*.attn.indexer.*",), "draft": ("mtp.*",)}
+
+
+def unreached_patterns(coefs: Mapping[str, float]) -> tuple[str, ...]:
+    """Globs of the params no active loss part reaches (``REACHED_ONLY_BY``), to freeze with the rest: their
+    gradient is exactly zero (``torch.func.grad`` returns zeros, not None), and AdamW's decoupled weight decay
+    would still shrink them every step - an indexer trained by CE alone would decay towards selecting at random.
+    ``torch.optim.AdamW`` skips such a parameter (its grad is None); freezing it here does the same."""
+    return tuple(p for part, pats in REACHED_ONLY_BY.items() if coefs.get(part, 0) <= 0 for p in pats)
 
 
 class NonFiniteError(FloatingPointError):
