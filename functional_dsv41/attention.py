@@ -139,7 +139,11 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
         if debug is not None and L in cfg.index_source_layers:
             debug["topk_idxs"] = torch.where(topk >= 0, topk + n_win, -1)
 
-    o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
+    # the kernel sees a fixed width, window + index_topk (holes past the entries seen so far): its CPU row sums
+    # round differently for another width, and a one-shot prefill sees more entries than a chunked one
+    pad = W + cfg.index_topk - idx.shape[-1] if src is not None else 0
+    idx_k = torch.cat([idx, idx.new_full((*idx.shape[:-1], pad), -1)], -1) if pad > 0 else idx
+    o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx_k.to(torch.int32), D ** -0.5, impl=impl)
     if aux is not None and topk is not None and L in cfg.index_source_layers:
         aux.update(indexer_kl_terms(q, kv_all, p["attn_sink"], idx, topk, student, D ** -0.5))
     if debug is not None:

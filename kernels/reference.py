@@ -175,11 +175,6 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
     """
     check_sparse_attn(q, kv, attn_sink, topk_idxs)
     B, M, H, D = q.shape
-    # every block full width: a CPU sum over a shorter last block rounds differently from the same values with
-    # trailing holes, and T (window + the entries seen so far) differs between a chunked and a one-shot prefill
-    pad = (-topk_idxs.shape[-1]) % block
-    if pad:
-        topk_idxs = torch.cat([topk_idxs, topk_idxs.new_full((*topk_idxs.shape[:-1], pad), -1)], -1)
     T = topk_idxs.shape[-1]
     qf = q.float()
     m = torch.full((B, M, H), -1e30, dtype=torch.float32, device=q.device)

@@ -36,7 +36,7 @@ def setup():
                          n_activated_experts=8, candidate_topk_blocks=64)
     from functional_dsv41.engram import build_token_map
     tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
-    tr, fr = run.init_train_params(cfg, run.RunConfig(seed=0), tm)
+    tr, fr = run.init_train_params(cfg, run.RunConfig(seed=0, loss_indexer_kl=0.1), tm)
     to_cuda = lambda d: {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
     tr, fr = to_cuda(tr), to_cuda(fr)
     samples = list(D.shipped_samples(T.CORPUS_TXT, T.TOKENIZER_JSON))
