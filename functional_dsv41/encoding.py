@@ -54,7 +54,7 @@ _IMAGE_TYPES = ("image", "image_url")
 
 
 def _json(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=False)
+    return json.dumps(v, ensure_ascii=False, allow_nan=False)     # NaN / Infinity are not JSON
 
 
 def effort_budget(reasoning_effort: int | str | None) -> int:
@@ -198,6 +198,13 @@ def _normalize(msgs: Any, label: str, st: dict) -> list[dict]:
             content, rc = m.get("content"), m.get("reasoning_content", m.get("reasoning"))
             t["content"] = _content("" if content is None else content, where, blocks=False)[0]
             t["reasoning"] = _content("" if rc is None else rc, where + " reasoning", blocks=False)[0]
+            # markers the template itself places: inside the text they would end the reasoning or open a
+            # tool-call block early, and the prompt would no longer parse back (parse_assistant)
+            for text, what, bad in ((t["reasoning"], "reasoning", (THINK_END,)), (t["content"], "content",
+                                                                                 (CALLS_OPEN,))):
+                hit = [b for b in bad if b in text]
+                if hit:
+                    raise ValueError(f"{where}: the {what} contains {hit[0]!r}, a marker of the chat template")
             calls = m.get("tool_calls") or []
             if not isinstance(calls, (list, tuple)):
                 raise TypeError(f"{where}: tool_calls must be a list, got {type(calls).__name__}")

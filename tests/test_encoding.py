@@ -325,3 +325,17 @@ def test_special_strings_are_single_tokens():
     assert ids.count(129264) == 1 and added[U] in ids
     dsml = tk.encode(CALLS_TEXT, add_special_tokens=False).ids
     assert dsml.count(added["｜DSML｜"]) == CALLS_TEXT.count("｜DSML｜")
+
+
+def test_template_markers_inside_assistant_text_are_refused():
+    """Inside an assistant turn's text, the template's own markers would end the reasoning or open a tool-call
+    block early: the prompt would not parse back. NaN arguments are not JSON."""
+    import pytest
+
+    from functional_dsv41 import encoding as E
+    for msg, match in [({"role": "assistant", "content": "b", "reasoning_content": "a</think>b"}, "reasoning contains"),
+                       ({"role": "assistant", "content": f"use the {E.CALLS_OPEN} tag"}, "content contains"),
+                       ({"role": "assistant", "content": "x", "tool_calls": [{"name": "f", "arguments": {"a": float("nan")}}]},
+                        "not JSON-serialisable")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            E.encode_messages([{"role": "user", "content": "hi"}, msg, {"role": "user", "content": "ok"}], "thinking")
