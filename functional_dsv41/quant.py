@@ -46,6 +46,14 @@ def float_to_e8m0(p: torch.Tensor) -> torch.Tensor:
     return (e - 1 + 127).to(torch.uint8).view(E8M0)
 
 
+def _pow2_e8m0(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 of scales known to be powers of two (``pow2_ceil_scale``'s), without ``float_to_e8m0``'s check, which
+    reads the device (a host sync per call). A non-finite scale (a NaN or inf activation in its block) becomes
+    byte 255, so the bad value travels on rather than failing as a malformed scale."""
+    b = (torch.frexp(s)[1] - 1 + 127).clamp(0, 254)
+    return torch.where(torch.isfinite(s), b, 255).to(torch.uint8).view(E8M0)
+
+
 def pow2_ceil_scale(amax: torch.Tensor, inv_max: float) -> torch.Tensor:
     """2^ceil(log2(amax * inv_max)) computed with the release's exponent-bit trick (fp32, exact).
 
@@ -176,7 +184,7 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
         s = amax / FP8_MAX
     q = (blk / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)
     if scale_dtype == E8M0:
-        return q, float_to_e8m0(s)
+        return q, _pow2_e8m0(s)
     return q, s.to(scale_dtype)
 
 
@@ -205,7 +213,7 @@ def fp4_act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_dtype: torch.d
     blk = _blocks(x.float(), block_size)
     s = _fp4_scale(blk, scale_dtype)
     codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
-    s_out = float_to_e8m0(s) if scale_dtype == E8M0 else s.to(FP8)
+    s_out = _pow2_e8m0(s) if scale_dtype == E8M0 else s.to(FP8)
     return pack_fp4(codes), s_out
 
 

@@ -66,3 +66,22 @@ def test_generate_syncs_once_per_step_for_the_stop_check():
     n_steps = res.stats["main_forwards"]
     assert tail[:n_steps] == ["__bool__"] * n_steps, tail
     assert set(tail[n_steps:]) <= {"tolist"}, tail
+
+
+def test_activation_quantisers_read_nothing_back_and_pass_non_finite_values_on():
+    """act_quant / fp4_act_quant with e8m0 scales: no host read (the model's reference-mode linears run them on
+    every call), and a NaN / inf activation gives its block scale byte 255 instead of a 'malformed scale' error."""
+    from functional_dsv41 import quant
+    x = torch.randn(4, 64).bfloat16()
+    with count_host_reads() as calls:
+        quant.act_quant(x, 32, "ue8m0", quant.E8M0)
+        quant.fp4_act_quant(x, 32, quant.E8M0)
+    assert calls == []
+    x[1, 40] = float("inf")
+    x[2, 3] = float("nan")
+    for s in (quant.act_quant(x, 32, "ue8m0", quant.E8M0)[1], quant.fp4_act_quant(x, 32, quant.E8M0)[1]):
+        b = s.view(torch.uint8)
+        assert int(b[1, 1]) == 255 and int(b[2, 0]) == 255
+        clean = torch.ones_like(b, dtype=torch.bool)
+        clean[1, 1] = clean[2, 0] = False
+        assert bool((b[clean] < 255).all())
