@@ -6,8 +6,8 @@ KV, the torch reference). Times are medians of CUDA-event timings (triton.testin
 
 FLOP conventions (stated in the output): sparse attention forward 2*B*M*H*T*(D + D) (QK and PV over
 the T gathered slots, holes included); backward 2.5x that (dP, dq, dk, dv plus the recomputed QK);
-GEMM 2*M*N*K. GB/s counts the fewest bytes the op must move (inputs read once, outputs written once;
-gathered KV rows counted once per use for attention).
+GEMM 2*M*N*K. GB/s counts the fewest bytes the op must move (inputs read once, outputs written once), except
+for attention: gathered KV rows once per use, most of them served by L2, so it can exceed the HBM copy ceiling.
 """
 from __future__ import annotations
 
@@ -285,7 +285,7 @@ def main(argv=None):
     # runs 9-10 measured the split knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128, the window fast
     # path): all slower than the default; it alone is timed (end to end and per kernel)
     args.attn_bwd_split_cfgs = [{}]
-    args.gemm_cfgs = [{}, *GEMM_CFGS]                   # default (ping-pong, BN=192, 2 stages) first
+    args.gemm_cfgs = [{}, *GEMM_CFGS]                   # {} = default_config(M, N, K) first (halves at 4096 rows; fp8_gemm_tl)
     args.fp4_gemm_cfgs = [{}, *FP4_GEMM_CFGS]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     try:

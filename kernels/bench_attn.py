@@ -28,8 +28,12 @@ def _attn_release_inputs(args):
     fl = 2 * B * M * H * T * (D + D)
     by_f = q.numel() * 2 * 2 + B * M * T * (D * 2 + 4)              # q, o, gathered kv rows + indices
     by_b = q.numel() * 2 * 4 + B * M * T * (D * 2 + D * 4 + 4)      # q, o, do, dq + kv rows read, dkv rows added
+    holes = (idx < 0).float().mean().item()
     print(f"-- sparse attention, release prefill: B={B} M={M} H={H} D={D} T={T} N={N}; "
-          f"holes {(idx < 0).float().mean().item():.1%}; FLOPs fwd 2*B*M*H*T*2D = {fl / 1e9:.1f} G, bwd 2.5x", flush=True)
+          f"holes {holes:.1%}; FLOPs fwd 2*B*M*H*T*2D = {fl / 1e9:.1f} G, bwd 2.5x. TFLOP/s below count all T slots "
+          f"(the kernels compute on the zero-filled holes, as the release's and the published sparse-MLA figures do); "
+          f"over the visible slots only they are x{1 - holes:.3f}. GB/s: gathered KV rows once per use (from L2 "
+          f"mostly: may exceed the HBM copy ceiling)", flush=True)
     return dict(q=q, kv=kv, sink=sink, idx=idx, scale=D ** -0.5, fl=fl, by_f=by_f, by_b=by_b)
 
 
@@ -252,12 +256,12 @@ def attention_bwd(results, args):
     T = idx.shape[-1]
     o, lse = sa._fwd(q, kv, sink, idx, scale)
     do = torch.randn_like(o)
-    results.append(row("sparse_attn bwd  tilelang (delta+bwd+dsink)",
+    results.append(row(f"sparse_attn bwd  tilelang default ({sa.BWD_IMPL} path: dq + P/dS, dkv, delta, dsink)",
                        bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale)), 2.5 * fl, by_b))
     delta = sb.delta_kernel(H, D)(o.view(B * M, H, D), do.view(B * M, H, D))
     dkv = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
     kb = sb.bwd_kernel(H, D, T, scale)
-    results.append(row("  of which the main bwd kernel", bench(lambda: kb(q, kv, do, idx, lse, delta.view(B, M, H), dkv)),
+    results.append(row("  the atomic bwd kernel alone (BWD_IMPL='atomic' path, not the default)", bench(lambda: kb(q, kv, do, idx, lse, delta.view(B, M, H), dkv)),
                        2.5 * fl, by_b))
     for cfg in args.attn_bwd_cfgs:
         try:

@@ -36,6 +36,8 @@ def gemms(results, args):
         sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
         for cfg in [*args.gemm_cfgs, *FP8_WS_CFGS]:
             name = f"fp8_gemm tilelang {json.dumps(cfg, separators=(',', ':'))}"
+            if not cfg:                            # the default: say which kernel it is
+                name = f"fp8_gemm tilelang default {json.dumps(fg.default_config(M, N, K), separators=(',', ':'))}"
             try:                                   # a failing variant prints its error, the sweep goes on
                 kc = dict(cfg) or fg.default_config(M, N, K)  # {}: what fp8_gemm runs with no options
                 build = fg.kernel_factory(kc.pop("kernel", "pingpong"))
@@ -48,7 +50,7 @@ def gemms(results, args):
         sa_r = torch.rand(M, 1, device="cuda") + 0.5
         sb_r = torch.rand(1, N, device="cuda") + 0.5
         bt = b.t()
-        results.append(row("peer: torch._scaled_mm rowwise scales",
+        results.append(row("ceiling: torch._scaled_mm rowwise scales (no 32-wide K blocks, no promotion)",
                            bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl, by))
         xb, wb = x, torch.randn(N, K, device="cuda").bfloat16()
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
@@ -299,7 +301,7 @@ def fp4_gemms(results, args):
         sa_r = torch.rand(M, 1, device="cuda") + 0.5
         sb_r = torch.rand(1, N, device="cuda") + 0.5
         bt = b8.t()
-        results.append(row("peer: torch._scaled_mm fp8 rowwise scales",
+        results.append(row("ceiling: torch._scaled_mm fp8 rowwise scales (no K blocks)",
                            bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl))
         wb = w.bfloat16()
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: x @ wb.t()), fl))
@@ -425,4 +427,4 @@ def gemm_probe(results, args):
     bt = b.t()
     sa_r, sb_r = torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
     fn = lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)  # noqa: E731
-    results.append(row("probe peer torch._scaled_mm rowwise", bench(fn), fl, note=_clock_under_load(fn)))
+    results.append(row("probe ceiling torch._scaled_mm rowwise (no K blocks)", bench(fn), fl, note=_clock_under_load(fn)))
