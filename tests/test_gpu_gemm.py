@@ -22,7 +22,10 @@ def _fp8_operands(M, N, K, seed=0):
     x = (torch.randn(M, K, device=DEV, generator=g) *
          torch.exp2(torch.randint(-4, 5, (M, K // 32), device=DEV, generator=g).float()).repeat_interleave(32, 1))
     a, a_s = Q.act_quant(x.bfloat16(), 32, "ue8m0", Q.E8M0)
-    w = torch.randn(N, K, device=DEV, generator=g) * 0.02
+    # a power of two per 32 x 32 block (2^-10 .. 2^-4): the weight scales differ block to block, so a mis-indexed
+    # B scale changes the product (with one global scale, 25568 of 25600 blocks at 5120^2 shared one scale)
+    blk = torch.exp2(torch.randint(-10, -3, (-(-N // 32), K // 32), device=DEV, generator=g).float())
+    w = torch.randn(N, K, device=DEV, generator=g) * blk.repeat_interleave(32, 0)[:N].repeat_interleave(32, 1)
     b, b_s = Q.quant_fp8_block(w)
     return a, a_s, b, b_s
 

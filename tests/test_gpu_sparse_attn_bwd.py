@@ -40,9 +40,14 @@ BWD_SHAPES = [(2, 5, 16, 64, 90, 70), (1, 48, 64, 512, 400, 640), (1, 1024, 64, 
               (2, 128, 16, 128, 192, 144)]      # tests/test_gpu_train.py's model
 
 
+@pytest.mark.parametrize("bwd_impl", ["split", "atomic"])
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_sparse_attn_bwd(shape):
+def test_sparse_attn_bwd(shape, bwd_impl, monkeypatch):
+    """Both backward paths against the reference (split is the default; atomic was otherwise only compared with
+    split)."""
     _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    monkeypatch.setattr(sa, "BWD_IMPL", bwd_impl)
     B, M, H, D, N, T = shape
     q, kv, sink, idx = _attn_inputs(*shape, seed=3, empty_row=False)
     do = torch.randn(B, M, H, D, device=DEV).bfloat16()
