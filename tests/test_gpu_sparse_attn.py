@@ -216,6 +216,36 @@ def test_sparse_attn_fwd_pp_is_default():
     assert not sp.sp_fits(64, 512, 64 * 1024)                                   # the index row over the smem
 
 
+# which kernel each impl runs, written out: the impl tests compare outputs only, so a dispatch change (e.g. pp_fits
+# turning false) would run another kernel under the same test name and still pass
+FWD_DISPATCH = {("pp", 64): "pp", ("sp", 64): "sp", ("ws", 64): "ws", ("seesaw", 64): "seesaw",
+                ("lockstep", 64): "lockstep", ("pp", 128): "ws", ("sp", 128): "ws", ("ws", 128): "ws",
+                ("seesaw", 128): "seesaw", ("lockstep", 128): "lockstep"}
+
+
+@pytest.mark.parametrize("impl_block", sorted(FWD_DISPATCH), ids=lambda ib: f"{ib[0]}-{ib[1]}")
+def test_sparse_attn_fwd_dispatch(impl_block, monkeypatch):
+    """The release width (H 64, D 512, T 640, fewer queries than SMs) runs the kernel FWD_DISPATCH names; 16 heads
+    run the lock-step kernel whatever the impl."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    from functional_dsv41.kernels.tilelang import sparse_attn_seesaw_tl as ss
+    from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    seen = []
+    for mod, name, tag in ((pp, "fwd_kernel_pp", "pp"), (sp, "fwd_kernel_sp", "sp"), (ss, "fwd_kernel_seesaw", "seesaw"),
+                           (sa, "fwd_kernel_ws", "ws"), (sa, "fwd_kernel", "lockstep")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _t=tag, **kw: seen.append(_t) or _r(*a, **kw))
+    impl, block = impl_block
+    for (B, M, H, D, N, T), want in (((1, 8, 64, 512, 900, 640), FWD_DISPATCH[impl_block]),
+                                     ((1, 8, 16, 64, 90, 70), "lockstep")):
+        q, kv, sink, idx = _attn_inputs(B, M, H, D, N, T, seed=19)
+        seen.clear()
+        sa._fwd(q, kv, sink, idx, D ** -0.5, block, impl=impl)
+        assert seen == [want], (impl, block, H, seen)
+
+
 # fwd_kernel_sp configurations beyond FWD_SP_CFG (the other gather layout, 32-slot blocks with 2-4 stages,
 # the PV split in two WGMMAs), each against reference.sparse_attn(block=BI), with a leading run of holes and
 # whole blocks of holes mid-row (zero-filled rows) and an all-hole row
