@@ -32,6 +32,8 @@ import tilelang.language as T
 
 from functional_dsv41 import quant
 
+from .. import reference
+
 from ._common import compile_kernel
 from ._gemm import dequant_bf16, promote_loop
 from .fp8_gemm_tl import _scales
@@ -220,10 +222,11 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     """Same contract as ``reference.fp4_gemm`` (act_block_size a multiple of 32). ``kernel``: "loop"
     (``fp4_gemm_kernel``; other cfg keys go to it) or "bf16" (both operands dequantised exactly to bf16, then
     torch's bf16 matmul); with no cfg at all ``default_config`` picks by the number of rows."""
+    reference.check_fp4_gemm(a, a_s, b, b_s, act_block_size)  # the torch op's shape checks, the same errors
+    if act_block_size % 32:
+        raise ValueError(f"fp4_gemm (tilelang): act_block_size must be a multiple of 32, got {act_block_size}")
     K = a.shape[-1]
     N = b.shape[0]
-    if b.shape[-1] * 2 != K or K % 32 or act_block_size % 32:
-        raise ValueError(f"fp4_gemm (tilelang): a has K={K}, b has K={b.shape[-1] * 2}, act block {act_block_size}")
     lead = a.shape[:-1]
     a2 = a.reshape(-1, K).contiguous()
     if not cfg:

@@ -50,6 +50,8 @@ import tilelang.language as T
 
 from functional_dsv41 import quant
 
+from .. import reference
+
 from ._common import compile_kernel, register_pool_per_row, sm_count
 from ._gemm import dequant_bf16, promote_loop, scales_f32
 
@@ -347,6 +349,7 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel."""
     if block_size != 32:
         raise NotImplementedError("fp8_gemm (tilelang): block_size 32 only")
+    reference.check_fp8_gemm(a, a_s, b, b_s, block_size)     # the torch op's shape checks, the same errors
     K = a.shape[-1]
     N = b.shape[0]
     lead = a.shape[:-1]

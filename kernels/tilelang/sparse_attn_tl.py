@@ -51,6 +51,7 @@ import functools
 import torch
 import tilelang.language as T
 
+from .. import reference
 from ._common import LOG2E, Unsupported, check_nreg, compile_kernel, plain as _plain
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
@@ -558,6 +559,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
     """Same contract as ``reference.sparse_attn``; ``block`` 64 (the release's) or 128 (faster, see _fwd).
     Raises ``Unsupported`` (impl="auto" then runs the torch reference) for non-bf16 q/kv or a head count
     that is not a multiple of 16 (the tiles' M)."""
+    reference.check_sparse_attn(q, kv, attn_sink, topk_idxs)    # the torch op's shape checks, the same errors
     H = q.shape[-2]
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or H % 16 or (H > 64 and H % 64):
         raise Unsupported(f"sparse_attn (tilelang): bf16 q/kv with heads a multiple of 16 (<= 64) or of 64, "
