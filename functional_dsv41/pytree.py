@@ -210,8 +210,7 @@ def _as_float(x: torch.Tensor, scale: Optional[torch.Tensor]) -> Optional[torch.
 
 
 def _is_int(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool) and t.dtype in (
-        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
+    return t.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
 
 
 def _scale_of(flat: dict, path: str):

@@ -45,6 +45,11 @@ _DTYPES = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def _first(problems: list[str], n: int = 8) -> list[str]:
+    """At most ``n`` problems, then a count of the rest (a truncated file lists every tensor past the cut)."""
+    return problems[:n] + ([f"... and {len(problems) - n} more"] if len(problems) > n else [])
+
+
 class CheckpointError(ValueError):
     """A checkpoint or a params tree that does not match ``param_spec(cfg)``; lists every problem."""
 
@@ -115,8 +120,7 @@ def _read_header(path: Path) -> tuple[dict, int]:
             if start + end != size:
                 problems.append(f"{size - start - end} bytes after the last tensor's data")
     if problems:
-        more = [f"... and {len(problems) - 8} more"] if len(problems) > 8 else []
-        raise CheckpointError(f"{path}: corrupt safetensors file", problems[:8] + more)
+        raise CheckpointError(f"{path}: corrupt safetensors file", _first(problems))
     return hdr, start
 
 
@@ -376,8 +380,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
         raise CheckpointError("params tree has non-tensor leaves:", bad)
     bad = [k for k, v in flat.items() if v.is_meta]
     if bad:
-        raise CheckpointError("params tree has meta tensors (shapes without data: nothing to write):", bad[:8] +
-                              ([f"... and {len(bad) - 8} more"] if len(bad) > 8 else []))
+        raise CheckpointError("params tree has meta tensors (shapes without data: nothing to write):", _first(bad))
     _check(entries, {k: (tuple(v.shape), v.dtype) for k, v in flat.items()}, "params tree")
 
     shards, cur, cur_bytes = [], {}, 0
@@ -409,7 +412,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
                      "weight_map": {n: name for shard, name in zip(shards, names) for n in shard}}
             tmps.append(_write_json_tmp(index, INDEX, path, mode))
         finals = names + ([INDEX] if len(shards) > 1 else [])
-        keep = _commit(path, tmps, finals, old, mode)
+        old |= _commit(path, tmps, finals, mode)
     except BaseException:
         for tmp in tmps:
             try:
@@ -417,7 +420,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
             except FileNotFoundError:
                 pass
         raise
-    for f in old - keep:                        # after the switch: the previous checkpoint's files
+    for f in old - set(finals):                 # after the switch: the previous checkpoint's files
         try:
             os.unlink(path / f)
         except FileNotFoundError:
@@ -447,11 +450,11 @@ def _write_json_tmp(doc: dict, name: str, path: Path, mode: int) -> str:
     return tmp
 
 
-def _commit(path: Path, tmps: list[str], finals: list[str], old: set[str], mode: int) -> set[str]:
+def _commit(path: Path, tmps: list[str], finals: list[str], mode: int) -> set[str]:
     """Move the written files into place so that at every instant the folder holds one whole checkpoint, the
-    previous or the new one; returns the final names (the files of ``old`` not among them are the caller's to
-    remove). The commit point is a single ``os.replace``: of ``model.safetensors`` for a single-file save,
-    of the index for a sharded one (the loader prefers the index). A new shard can only be moved onto a name
+    previous or the new one; returns the backup names it made (below), which the caller removes with the
+    previous checkpoint's other files. The commit point is a single ``os.replace``: of ``model.safetensors``
+    for a single-file save, of the index for a sharded one (the loader prefers the index). A new shard can only be moved onto a name
     the previous index uses once that index no longer needs it: such shards are first hard-linked (copied
     where links are unsupported) under backup names and the previous index rewritten to them, so a crash
     anywhere leaves a loadable previous checkpoint. Moved files leave ``tmps``, so a failure removes only
@@ -461,40 +464,38 @@ def _commit(path: Path, tmps: list[str], finals: list[str], old: set[str], mode:
         tmps.pop(0)
         if (path / INDEX).exists():
             os.unlink(path / INDEX)
-        return {SINGLE}
+        return set()
     try:
         wmap = _read_index(path / INDEX) if (path / INDEX).exists() else {}
     except CheckpointError:                     # a broken index: no previous checkpoint to keep loadable
         wmap = {}
-    if wmap:
-        clash = sorted({s for s in wmap.values() if s in finals})
-        if clash:
-            backup = {}
-            for s in clash:
-                fd, bak = tempfile.mkstemp(prefix=f".{s}.", suffix=".prev", dir=path)
-                os.close(fd)
-                os.unlink(bak)
-                try:
-                    os.link(path / s, bak)
-                except OSError:
-                    shutil.copy2(path / s, bak)
-                backup[s] = Path(bak).name
-            doc = {"metadata": {"note": "the previous checkpoint, while a new one is moved into place"},
-                   "weight_map": {n: backup.get(s, s) for n, s in wmap.items()}}
-            tmp = None
+    backup = {}
+    clash = sorted({s for s in wmap.values() if s in finals})
+    if clash:
+        for s in clash:
+            fd, bak = tempfile.mkstemp(prefix=f".{s}.", suffix=".prev", dir=path)
+            os.close(fd)
+            os.unlink(bak)
             try:
-                tmp = _write_json_tmp(doc, INDEX, path, mode)
-                os.replace(tmp, path / INDEX)
-            except BaseException:               # the previous index still names the originals: drop the links
-                for f in [tmp, *[path / b for b in backup.values()]]:
-                    if f is not None and os.path.lexists(f):
-                        os.unlink(f)
-                raise
-            old |= set(backup.values())
+                os.link(path / s, bak)
+            except OSError:
+                shutil.copy2(path / s, bak)
+            backup[s] = Path(bak).name
+        doc = {"metadata": {"note": "the previous checkpoint, while a new one is moved into place"},
+               "weight_map": {n: backup.get(s, s) for n, s in wmap.items()}}
+        tmp = None
+        try:
+            tmp = _write_json_tmp(doc, INDEX, path, mode)
+            os.replace(tmp, path / INDEX)
+        except BaseException:                   # the previous index still names the originals: drop the links
+            for f in [tmp, *[path / b for b in backup.values()]]:
+                if f is not None and os.path.lexists(f):
+                    os.unlink(f)
+            raise
     for name in finals:                         # the shards, then the index (finals[-1]): the commit
         os.replace(tmps[0], path / name)
         tmps.pop(0)
-    return set(finals)
+    return set(backup.values())
 
 
 def _previous_files(path: Path) -> set[str]:

@@ -13,8 +13,8 @@ Parts (``LOSS_NAMES``):
     the attention's own probability mass on each selected slot (detached; summed over heads if it has
     a head axis, renormalised over the slots) and the student the indexer's scores at those slots
     before the candidate mask. The indexer's inputs are detached in the forward (DeepSeek-V3.2), so this
-    part trains the indexer's weights only and the other parts never reach them. Mean over query tokens that have at least one valid slot, then over
-    layers. Needs ``forward(..., aux=True)`` to return ``out.aux["indexer"]``.
+    part trains the indexer's weights only and the other parts never reach them. Mean over query tokens
+    that have at least one valid slot, then over layers. Needs ``forward(..., aux=True)`` to return ``out.aux["indexer"]``.
 
 A coefficient ``<= 0`` switches its part OFF: it is not computed at all (no forward extras, no graph),
 not a zero-weighted term. ``compute_losses`` raises if every part is off.
