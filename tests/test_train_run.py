@@ -7,7 +7,7 @@ import torch
 
 import functional_dsv41 as fd
 from functional_dsv41.train import checkpoint as C
-from functional_dsv41.train import run, step as S
+from functional_dsv41.train import resume, run, step as S
 
 
 def _rc(out, **kw):
@@ -195,7 +195,7 @@ def test_trim_metrics_refuses_a_damaged_middle_line(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
     with pytest.raises(SystemExit, match="line 2 is not a metrics record"):
-        run._trim_metrics(str(p), 1)
+        resume.trim_metrics(str(p), 1)
 
 
 def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch):
@@ -204,7 +204,7 @@ def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
 
     def fail(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(run.os, "replace", fail)
+    monkeypatch.setattr(resume.os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
-        run._write_atomic(str(p), '{"step": 1}\n')
+        resume.write_atomic(str(p), '{"step": 1}\n')
     assert p.read_text() == '{"step": 1}\n{"step": 2}\n' and os.listdir(tmp_path) == ["metrics.jsonl"]

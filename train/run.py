@@ -14,7 +14,7 @@ with a one-line message before anything is written.
 ``--resume`` continues from the newest checkpoint in ``OUT/ckpt`` bit-identically to a run that was
 never interrupted (same params, optimizer state, data position, RNG; metrics lines after the
 checkpoint are dropped and recomputed). Every checkpoint records the model config and the settings
-that decide the data order or the optimisation (``RESUME_FIXED``, the corpus and tokenizer contents,
+that decide the data order or the optimisation (``resume.RESUME_FIXED``, the corpus and tokenizer contents,
 the length of the lr schedule); a resume that differs in any of them is refused up front, naming
 them. Free to change on resume: ``--steps`` (to extend a run; not below the checkpoint's step; the
 warmup + cosine schedule keeps the length of the run's first start, so steps past it run at
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -54,7 +53,7 @@ import torch
 import functional_dsv41 as fd
 from functional_dsv41.train import checkpoint as ckpt_mod
 from functional_dsv41.train import data as data_mod
-from functional_dsv41.train import optim, step as step_mod
+from functional_dsv41.train import optim, resume, step as step_mod
 from functional_dsv41.train.tokenizer import CORPUS_TXT, TOKENIZER_JSON, load_tokenizer, special_ids
 
 
@@ -314,111 +313,6 @@ def _load_corpus(rc: RunConfig) -> tuple:
         raise SystemExit(f"--corpus {e}") from None
 
 
-# Settings a resume must share with the checkpoint it continues: they decide the data order (batch_size,
-# seq_len, seed; with the corpus and tokenizer contents) or the optimisation (the rest). See the module docstring.
-RESUME_FIXED = ("batch_size", "seq_len", "seed", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2",
-                "clip", "loss_ce", "loss_draft", "draft_anchor_stride", "loss_indexer_kl", "frozen")
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-
-
-def run_record(rc: RunConfig, cfg: fd.Config, schedule_steps: int) -> dict:
-    """What every checkpoint records and a resume must match: the model config and the run settings,
-    as JSON values (the form they come back from a checkpoint in, so the two compare equal)."""
-    run = {k: getattr(rc, k) for k in RESUME_FIXED}
-    run.update(forward_mode="qat" if rc.qat else rc.mode, schedule_steps=schedule_steps,
-               corpus_sha256=_sha256(rc.corpus), tokenizer_sha256=_sha256(rc.tokenizer))
-    return json.loads(json.dumps({"model": cfg.to_dict(), "run": run}))
-
-
-def record_diff(saved: dict, now: dict) -> list[str]:
-    """``"name old -> new"`` for every recorded setting that differs (schedule_steps is the resume's to keep)."""
-    def short(v):
-        r = repr(v)
-        return r if len(r) <= 24 else r[:20] + "..."
-    out = []
-    for part, prefix in (("model", "config."), ("run", "")):
-        a, b = saved.get(part, {}), now[part]
-        out += [f"{prefix}{k} {short(a.get(k))} -> {short(b.get(k))}" for k in sorted(set(a) | set(b))
-                if k != "schedule_steps" and a.get(k) != b.get(k)]
-    return out
-
-
-def _check_resume(rc: RunConfig, cfg: fd.Config, restored: dict) -> int:
-    """Refuse a resume whose settings differ from those the checkpoint records (module docstring); returns
-    the lr schedule length to continue with (the one the run first started with)."""
-    where = os.path.join(os.path.abspath(rc.out), "ckpt", str(restored["step"]))
-    saved = restored["extra"]
-    if "run" not in saved or "model" not in saved:
-        raise SystemExit(f"--resume: {where} records no run settings (saved by an older run.py), so it cannot be "
-                         f"checked against this run; start afresh with --overwrite or another --out")
-    schedule_steps = int(saved["run"]["schedule_steps"])
-    diff = record_diff(saved, run_record(rc, cfg, schedule_steps))
-    if diff:
-        raise SystemExit(f"--resume: {where} was trained with other settings ({'; '.join(diff[:8])}"
-                         f"{'; ...' if len(diff) > 8 else ''}); resume with the original ones, or start afresh "
-                         f"with --overwrite or another --out")
-    if rc.steps < restored["step"]:
-        raise SystemExit(f"--resume: {where} is at step {restored['step']}, past --steps {rc.steps}; pass "
-                         f"--steps >= {restored['step']}")
-    return schedule_steps
-
-
-def _newest_checkpoint(ckpt_dir: str, restore: bool) -> tuple[Optional[int], Optional[dict]]:
-    """(step, restored state or None) of the newest finished checkpoint in ``ckpt_dir``, (None, None) when
-    there is none. Only reads: a run refused after this must not have created the folder."""
-    if not os.path.isdir(ckpt_dir):
-        return None, None
-    ck = ckpt_mod.TrainCheckpointer(ckpt_dir)
-    try:
-        step = ck.latest_step()
-        return step, (ck.restore(step) if restore and step is not None else None)
-    finally:
-        ck.close()
-
-
-def _trim_metrics(path: str, upto: int) -> str:
-    """The text of ``path`` (metrics.jsonl) that a resume from step ``upto`` keeps: lines with step <= upto
-    (the resumed run recomputes the rest). A malformed last line is a run killed mid-write and is dropped; a
-    malformed earlier one means the file was damaged or edited, and is refused rather than guessed at."""
-    if not os.path.exists(path):
-        return ""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        lines = fh.read().splitlines()
-    keep = []
-    for i, ln in enumerate(lines):
-        if not ln.strip():
-            continue
-        try:
-            step = int(json.loads(ln)["step"])
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines) - 1:
-                break
-            raise SystemExit(f"--resume: {path} line {i + 1} is not a metrics record; repair or remove it") from None
-        if step <= upto:
-            keep.append(ln + "\n")
-    return "".join(keep)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
-    the new one, never a torn one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
 class _StopOnSignal:
     """Within ``with``: the first SIGINT / SIGTERM only sets ``signum``, and the loop stops before its next
     step. Why not stop at once: the signal could land inside ``ck.save`` or leave an async save unfinished,
@@ -478,14 +372,14 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     samples = list(_load_corpus(rc))
     ckpt_dir = os.path.join(rc.out, "ckpt")
     metrics_path = os.path.join(rc.out, "metrics.jsonl")
-    latest, restored = _newest_checkpoint(ckpt_dir, restore=rc.resume)
+    latest, restored = resume.newest_checkpoint(ckpt_dir, restore=rc.resume)
     if latest is not None and not rc.resume and not rc.overwrite:
         raise SystemExit(f"{os.path.abspath(ckpt_dir)} already holds checkpoints (step {latest}): pass --resume "
                          f"to continue, --overwrite to start afresh, or another --out")
-    schedule_steps = rc.steps if restored is None else _check_resume(rc, cfg, restored)
-    record = run_record(rc, cfg, schedule_steps)
+    schedule_steps = rc.steps if restored is None else resume.check_resume(rc, cfg, restored)
+    record = resume.run_record(rc, cfg, schedule_steps)
     if restored is not None:
-        metrics_kept = _trim_metrics(metrics_path, restored["step"])
+        metrics_kept = resume.trim_metrics(metrics_path, restored["step"])
 
     from functional_dsv41.engram import build_token_map
     token_map = torch.as_tensor(build_token_map(rc.tokenizer), dtype=torch.int64)
@@ -525,13 +419,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
             print(f"--resume: no finished checkpoint in {os.path.abspath(ckpt_dir)}; starting afresh", flush=True)
         if latest is not None:   # --overwrite
             shutil.rmtree(ckpt_dir)
-        _write_atomic(os.path.join(rc.out, "config.json"), json.dumps(cfg.to_dict(), indent=4) + "\n")
-        _write_atomic(os.path.join(rc.out, "run_config.json"), json.dumps(dataclasses.asdict(rc), indent=2))
-        _write_atomic(metrics_path, "")
+        resume.write_atomic(os.path.join(rc.out, "config.json"), json.dumps(cfg.to_dict(), indent=4) + "\n")
+        resume.write_atomic(os.path.join(rc.out, "run_config.json"), json.dumps(dataclasses.asdict(rc), indent=2))
+        resume.write_atomic(metrics_path, "")
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(rc.out, "resumes.jsonl"))   # a stale one of the run this replaces
     else:
-        _write_atomic(metrics_path, metrics_kept)
+        resume.write_atomic(metrics_path, metrics_kept)
         with open(os.path.join(rc.out, "resumes.jsonl"), "a") as fh:
             fh.write(json.dumps({"from_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                  "run_config": dataclasses.asdict(rc)}) + "\n")

@@ -1,0 +1,126 @@
+"""What a training checkpoint records about its run, and what ``train/run.py --resume`` checks against it.
+
+Every checkpoint's ``extra`` holds ``run_record``: the model config and the settings that decide the data order
+or the optimisation (``RESUME_FIXED``, the corpus and tokenizer contents, the length of the lr schedule); a
+resume whose record differs is refused up front, naming what changed (``check_resume``). The run's
+``metrics.jsonl`` is carried across resumes by ``trim_metrics`` (the lines up to the checkpoint's step) and
+rewritten, like the run's record files, through ``write_atomic``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Optional
+
+import functional_dsv41 as fd
+from functional_dsv41.train import checkpoint as ckpt_mod
+
+if TYPE_CHECKING:
+    from functional_dsv41.train.run import RunConfig
+
+
+# Settings a resume must share with the checkpoint it continues: they decide the data order (batch_size,
+# seq_len, seed; with the corpus and tokenizer contents) or the optimisation (the rest). See the module docstring.
+RESUME_FIXED = ("batch_size", "seq_len", "seed", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2",
+                "clip", "loss_ce", "loss_draft", "draft_anchor_stride", "loss_indexer_kl", "frozen")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def run_record(rc: RunConfig, cfg: fd.Config, schedule_steps: int) -> dict:
+    """What every checkpoint records and a resume must match: the model config and the run settings,
+    as JSON values (the form they come back from a checkpoint in, so the two compare equal)."""
+    run = {k: getattr(rc, k) for k in RESUME_FIXED}
+    run.update(forward_mode="qat" if rc.qat else rc.mode, schedule_steps=schedule_steps,
+               corpus_sha256=_sha256(rc.corpus), tokenizer_sha256=_sha256(rc.tokenizer))
+    return json.loads(json.dumps({"model": cfg.to_dict(), "run": run}))
+
+
+def record_diff(saved: dict, now: dict) -> list[str]:
+    """``"name old -> new"`` for every recorded setting that differs (schedule_steps is the resume's to keep)."""
+    def short(v):
+        r = repr(v)
+        return r if len(r) <= 24 else r[:20] + "..."
+    out = []
+    for part, prefix in (("model", "config."), ("run", "")):
+        a, b = saved.get(part, {}), now[part]
+        out += [f"{prefix}{k} {short(a.get(k))} -> {short(b.get(k))}" for k in sorted(set(a) | set(b))
+                if k != "schedule_steps" and a.get(k) != b.get(k)]
+    return out
+
+
+def check_resume(rc: RunConfig, cfg: fd.Config, restored: dict) -> int:
+    """Refuse a resume whose settings differ from those the checkpoint records (train/run.py's docstring); returns
+    the lr schedule length to continue with (the one the run first started with)."""
+    where = os.path.join(os.path.abspath(rc.out), "ckpt", str(restored["step"]))
+    saved = restored["extra"]
+    if "run" not in saved or "model" not in saved:
+        raise SystemExit(f"--resume: {where} records no run settings (saved by an older run.py), so it cannot be "
+                         f"checked against this run; start afresh with --overwrite or another --out")
+    schedule_steps = int(saved["run"]["schedule_steps"])
+    diff = record_diff(saved, run_record(rc, cfg, schedule_steps))
+    if diff:
+        raise SystemExit(f"--resume: {where} was trained with other settings ({'; '.join(diff[:8])}"
+                         f"{'; ...' if len(diff) > 8 else ''}); resume with the original ones, or start afresh "
+                         f"with --overwrite or another --out")
+    if rc.steps < restored["step"]:
+        raise SystemExit(f"--resume: {where} is at step {restored['step']}, past --steps {rc.steps}; pass "
+                         f"--steps >= {restored['step']}")
+    return schedule_steps
+
+
+def newest_checkpoint(ckpt_dir: str, restore: bool) -> tuple[Optional[int], Optional[dict]]:
+    """(step, restored state or None) of the newest finished checkpoint in ``ckpt_dir``, (None, None) when
+    there is none. Only reads: a run refused after this must not have created the folder."""
+    if not os.path.isdir(ckpt_dir):
+        return None, None
+    ck = ckpt_mod.TrainCheckpointer(ckpt_dir)
+    try:
+        step = ck.latest_step()
+        return step, (ck.restore(step) if restore and step is not None else None)
+    finally:
+        ck.close()
+
+
+def trim_metrics(path: str, upto: int) -> str:
+    """The text of ``path`` (metrics.jsonl) that a resume from step ``upto`` keeps: lines with step <= upto
+    (the resumed run recomputes the rest). A malformed last line is a run killed mid-write and is dropped; a
+    malformed earlier one means the file was damaged or edited, and is refused rather than guessed at."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().splitlines()
+    keep = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            step = int(json.loads(ln)["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                break
+            raise SystemExit(f"--resume: {path} line {i + 1} is not a metrics record; repair or remove it") from None
+        if step <= upto:
+            keep.append(ln + "\n")
+    return "".join(keep)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
+    the new one, never a torn one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
