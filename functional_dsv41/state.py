@@ -172,17 +172,10 @@ def clone_state(state: DecodeState) -> DecodeState:
 
 
 # ----------------------------------------------------------------------------- staleness bookkeeping
-class _Family:
-    """The stamps over one set of history buffers (held weakly: a dropped state stops counting)."""
-    __slots__ = ("stamps",)
-
-    def __init__(self):
-        self.stamps = weakref.WeakSet()
-
-
 class _Stamp:
     """Host-side record of the forward that returned a history buffer view.
 
+    ``family``: the stamps over one set of history buffers (a WeakSet: a dropped state stops counting);
     ``end``: the position that forward reached; ``limit``: rows of positions >= limit may since have
     been overwritten by a forward from an earlier state of the same family. A state whose buffer
     carries this stamp is valid while ``state.pos <= limit`` (``rollback`` builds states at positions
@@ -190,9 +183,9 @@ class _Stamp:
     """
     __slots__ = ("family", "end", "limit", "__weakref__")
 
-    def __init__(self, family: _Family, end: int):
+    def __init__(self, family: weakref.WeakSet, end: int):
         self.family, self.end, self.limit = family, end, float("inf")
-        family.stamps.add(self)
+        family.add(self)
 
 
 # id(buffer view) -> (weakref to it, stamp). A side table rather than a tensor attribute, so states
@@ -238,9 +231,9 @@ def begin_append(state: DecodeState, end: int) -> list:
             continue
         old = _stamp_of(c.compress_kv)
         if old is None:                 # fresh buffers (init_state, clone_state, a copied state): adopt them
-            old = _Stamp(_Family(), start)
+            old = _Stamp(weakref.WeakSet(), start)     # a new family: the stamps over one set of buffers
             _set_stamp(c.compress_kv, old)
-        for st in list(old.family.stamps):
+        for st in list(old.family):
             if st.end > start:
                 st.limit = min(st.limit, start)
         out.append(_Stamp(old.family, end))
