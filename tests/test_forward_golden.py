@@ -14,8 +14,8 @@ import functional_dsv41 as fd
 from functional_dsv41.model import block, make_chunk
 from functional_dsv41.state import SharedAttention
 
-from conftest import (block_input, cos_tol, cosine_diff, fixture_prefill, load_fixture, skip_off_golden_trajectory,
-                      trajectory_divergence)
+from conftest import (block_input, check_flip, cos_tol, cosine_diff, fixture_prefill, load_fixture,
+                      skip_off_golden_trajectory, trajectory_divergence)
 
 FIXTURES = ["tiny-bf16", "tiny-fp8"]
 
@@ -41,6 +41,22 @@ def test_prefill_every_block(name):
         assert out.hidden[L].shape == (2, int(g["prefill_len"]), cfg.hc_mult, cfg.dim)
         assert cosine_diff(out.pre_mix[L], g[f"prefill.layer.{L}.pre_mix"]) < cos_tol(cfg)
     print(f"{name}: worst per-block cosine diff {worst:.1e}")
+
+
+def test_flip_check_refuses_a_systematic_difference():
+    """The end-to-end tests skip past a divergence only when check_flip calls it rounding: an index top-k that
+    differs in every row (a wrong selection) is refused, one row after the same tiny upstream error is not."""
+    cfg, params, g = load_fixture("tiny-bf16")
+    L = cfg.index_source_layers[0]
+    rows = int(g["prefill_len"]) * g["input_ids"].shape[0]
+
+    def div(n, before=1e-6):
+        return dict(layer=L, what="topk_idxs", rows=n, of=rows, before=before, mask=torch.arange(rows) < n)
+    with pytest.raises(AssertionError, match=f"topk_idxs: {rows} of {rows} rows.*random noise as large"):
+        check_flip("tiny-bf16", div(rows), cos_tol(cfg), params, cfg, g)
+    with pytest.raises(AssertionError, match="every block before it within 1.0e-03"):
+        check_flip("tiny-bf16", div(1, before=1e-3), cos_tol(cfg), params, cfg, g)
+    check_flip("tiny-bf16", div(1), cos_tol(cfg), params, cfg, g)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
