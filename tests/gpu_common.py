@@ -51,6 +51,34 @@ def record_kernel_calls(names, per_op):
             setattr(K, n, real[n])
 
 
+@contextlib.contextmanager
+def tilelang_runs():
+    """Which kernel ops the model dispatched on CUDA tensors and which of those ran on TileLang (returned, rather
+    than raising ``Unsupported`` for the torch fallback) while the block runs: yields (called, ran), each
+    {op: count}, filled by a spy on the dispatcher's ``resolve``; restored after. A test of ``impl="auto"`` asserts
+    on ``ran``, since comparing outputs alone passes just as well when every op fell back to torch."""
+    called, ran, real = {}, {}, K.resolve
+
+    def resolve(name, impl=None, *, on_cuda=True):
+        fn = real(name, impl, on_cuda=on_cuda)
+        if not on_cuda:
+            return fn
+        called[name] = called.get(name, 0) + 1
+        if fn is getattr(K.reference, name):
+            return fn
+
+        def run(*a, **k):
+            out = fn(*a, **k)
+            ran[name] = ran.get(name, 0) + 1
+            return out
+        return run
+    try:
+        K.resolve = resolve
+        yield called, ran
+    finally:
+        K.resolve = real
+
+
 # ----------------------------------------------------------------------------- sparse-attention operands
 def attn_inputs(B, M, H, D, N, T, seed=0, holes=0.1, empty_row=True):
     """Sparse-attention operands: random q [B, M, H, D], kv [B, N, D] (bf16), sink [H], idx [B, M, T] with a share

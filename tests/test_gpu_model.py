@@ -17,6 +17,7 @@ from functional_dsv41.model import block, make_chunk
 from functional_dsv41.state import SharedAttention
 
 from conftest import block_input, cosine_diff, fixture_dir, golden
+from gpu_common import tilelang_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -36,18 +37,24 @@ def test_teacher_forced_blocks_on_gpu(name, impl):
     ids = g["input_ids"][:, :P].cuda()
     chunk = make_chunk({"input_ids": ids}, 0, ids.device)
     shared, report, worst = SharedAttention(), [], 0.0
-    for L in cfg.layer_ids:
-        h, pre = block_input(g, cfg, L)
-        dbg = {}
-        h2, pre2, _, shared = block(params["layers"][L], h.cuda(), pre.cuda(), cfg=cfg, layer_id=L, chunk=chunk,
-                                    cache=None, shared=shared, impl=impl, debug=dbg)
-        c = cosine_diff(h2.float().cpu(), g[f"prefill.layer.{L}.h"].float())
-        same_idx = torch.equal(dbg[f"layer.{L}.sparse_idx"].int().cpu(), g[f"prefill.layer.{L}.sparse_idx"])
-        same_exp = torch.equal(dbg[f"layer.{L}.gate_idx"].cpu(), g[f"prefill.layer.{L}.gate_idx"])
-        report.append(f"L{L}: h {c:.1e} idx {'=' if same_idx else 'DIFF'} experts {'=' if same_exp else 'DIFF'}")
-        worst = max(worst, c)
-    print(f"{name} impl={impl} teacher-forced: " + "; ".join(report))
+    with tilelang_runs() as (called, ran):
+        for L in cfg.layer_ids:
+            h, pre = block_input(g, cfg, L)
+            dbg = {}
+            h2, pre2, _, shared = block(params["layers"][L], h.cuda(), pre.cuda(), cfg=cfg, layer_id=L, chunk=chunk,
+                                        cache=None, shared=shared, impl=impl, debug=dbg)
+            c = cosine_diff(h2.float().cpu(), g[f"prefill.layer.{L}.h"].float())
+            same_idx = torch.equal(dbg[f"layer.{L}.sparse_idx"].int().cpu(), g[f"prefill.layer.{L}.sparse_idx"])
+            same_exp = torch.equal(dbg[f"layer.{L}.gate_idx"].cpu(), g[f"prefill.layer.{L}.gate_idx"])
+            report.append(f"L{L}: h {c:.1e} idx {'=' if same_idx else 'DIFF'} experts {'=' if same_exp else 'DIFF'}")
+            worst = max(worst, c)
+    print(f"{name} impl={impl} teacher-forced: " + "; ".join(report) + f"; ops called {called}, on TileLang {ran}")
     assert worst < tol, report
+    if impl == "torch":
+        assert not ran, ran
+    else:       # every op TileLang implements ran there, but the attention: 4 heads, its tiles need multiples of 16
+        assert "sparse_attn" in called and set(ran) == set(called) - {"sparse_attn"}, (called, ran)
+        assert {"hc_split_sinkhorn", "index_scores", "index_topk"} <= set(ran), ran
 
 
 @pytest.mark.parametrize("impl", ["torch", "auto"])

@@ -195,16 +195,6 @@ def test_sparse_attn_seesaw_register_pool():
         sa.fwd_kernel_ws(64, 512, 640, 512 ** -0.5, nreg=(228, 40))
 
 
-def test_sparse_attn_seesaw_grad(monkeypatch):
-    """The backward from the seesaw forward's LSE (FWD_DEFAULT = "seesaw" through the public op)."""
-    _need_tilelang()
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    monkeypatch.setattr(sa, "FWD_DEFAULT", "seesaw")
-    q, kv, sink, idx = _attn_inputs(1, 48, 64, 512, 400, 640, seed=3, empty_row=False)
-    do = torch.randn(q.shape, device=DEV).bfloat16()
-    _check_grads(q, kv, sink, idx, do, 512 ** -0.5)
-
-
 def test_sparse_attn_fwd_pp_is_default():
     """The release shape takes the ping-pong kernel by default (sparse_attn_tl.FWD_DEFAULT); shapes it cannot hold
     fall back to the split-softmax one, then the warp-specialised one (block 128 too) or the lock-step one."""

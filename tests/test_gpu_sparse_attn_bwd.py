@@ -193,3 +193,13 @@ def test_sparse_attn_bwd_split_dsink_inputs(shape, split_bwd):
         assert torch.allclose(parts["delta"], delta, rtol=1e-5, atol=1e-5), s
         ds_ref = -(torch.exp2(sink.float() * 1.4426950408889634 - lse0) * delta).sum((0, 1))
         assert torch.allclose(ds.float(), ds_ref, rtol=1e-4, atol=1e-5), (s, ds, ds_ref)
+
+
+def test_sparse_attn_seesaw_grad(monkeypatch):
+    """The backward from the seesaw forward's LSE (FWD_DEFAULT = "seesaw" through the public op)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    monkeypatch.setattr(sa, "FWD_DEFAULT", "seesaw")
+    q, kv, sink, idx = _attn_inputs(1, 48, 64, 512, 400, 640, seed=3, empty_row=False)
+    do = torch.randn(q.shape, device=DEV).bfloat16()
+    _check_grads(q, kv, sink, idx, do, 512 ** -0.5)
