@@ -156,8 +156,10 @@ class TreeDiff:
 
     def worst(self, n: int = 10) -> list:
         rank = {"missing": 0, "extra": 0, "type": 0, "shape": 1, "dtype": 2, "value": 3, "ok": 4}
-        return sorted(self.rows, key=lambda r: (rank.get(r.status, 0), -(r.cos_diff or 0.0),
-                                                -(r.max_abs or 0.0)))[:n]
+
+        def desc(v):    # a NaN (inf or NaN against a number) is the largest difference, not an unordered key
+            return float("-inf") if v is not None and v != v else -(v or 0.0)
+        return sorted(self.rows, key=lambda r: (rank.get(r.status, 0), desc(r.cos_diff), desc(r.max_abs)))[:n]
 
     def format(self, rows=None) -> str:
         rows = self.rows if rows is None else rows
@@ -191,7 +193,8 @@ def _as_float(x: torch.Tensor, scale: Optional[torch.Tensor]) -> Optional[torch.
     """Values of x in float64; quantized storage decoded via its sibling scale (SPEC §9), else None."""
     from functional_dsv41 import quant
     if x.dtype == torch.float4_e2m1fn_x2:
-        if scale is None or scale.shape != (*x.shape[:-1], x.shape[-1] * 2 // quant.BLOCK):
+        if (scale is None or scale.dtype != quant.E8M0 or (x.shape[-1] * 2) % quant.BLOCK
+                or scale.shape != (*x.shape[:-1], x.shape[-1] * 2 // quant.BLOCK)):
             return None
         return quant.dequant_fp4(x, scale, torch.float64)
     if x.dtype == torch.float8_e4m3fn and scale is not None and scale.dtype == torch.float8_e8m0fnu:
@@ -210,7 +213,8 @@ def _as_float(x: torch.Tensor, scale: Optional[torch.Tensor]) -> Optional[torch.
 
 
 def _is_int(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
+    return t.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                       torch.uint64)
 
 
 def _scale_of(flat: dict, path: str):
@@ -315,8 +319,10 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
         return row
     d = (xf - yf).abs()                         # equal values (also equal infinities) and NaN against NaN: 0
     d = torch.where((xf == yf) | (torch.isnan(xf) & torch.isnan(yf)), torch.zeros_like(d), d)
-    if _is_int(x) and _is_int(y):               # exactly: float64 would merge integers above 2^53
-        d = (x.detach().cpu().long() - y.detach().cpu().long()).abs()
+    if _is_int(x) and _is_int(y):               # exactly: float64 would merge integers above 2^53 (and an int64
+        xi, yi = x.detach().cpu(), y.detach().cpu()             # difference can overflow): any differing pair >= 1
+        ne = xi != yi if xi.dtype == yi.dtype else xi.long() != yi.long()
+        d = torch.where(ne, d.clamp_min(1.0), torch.zeros_like(d))
     row.max_abs = float(d.max()) if d.numel() else 0.0
     xv, yv = xf.flatten(), yf.flatten()
     den = float((xv * xv).sum() + (yv * yv).sum())

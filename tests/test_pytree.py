@@ -156,3 +156,32 @@ def test_tree_diff_exact_values_infinities_integers_numpy_and_containers():
     assert [(r.status, r.max_abs) for r in d.rows] == [("value", 0.5)]
     d = fd.tree_diff({"l": [torch.ones(1)]}, {"l": {"0": torch.ones(1)}})      # same leaf path, other container
     assert not d.ok and [(r.path, r.status, r.note) for r in d.problems()] == [("l", "type", "list vs dict")]
+
+
+def test_tree_diff_integers_exact_at_the_ends_of_their_range():
+    """uint64 (a safetensors U64 tensor) compares exactly too, and an int64 difference that overflows is not
+    reported as a small one."""
+    u = torch.tensor([2 ** 63 + 5], dtype=torch.uint64)                       # apart by 1, equal in float64
+    d = fd.tree_diff({"u": u}, {"u": torch.tensor([2 ** 63 + 6], dtype=torch.uint64)}, atol=0)
+    assert [r.status for r in d.rows] == ["value"] and d.rows[0].max_abs >= 1
+    assert fd.tree_diff({"u": u}, {"u": u.clone()}, atol=0).ok
+    lo, hi = torch.tensor([-2 ** 63]), torch.tensor([2 ** 63 - 1])
+    d = fd.tree_diff({"i": lo}, {"i": hi}, atol=0)
+    assert [r.status for r in d.rows] == ["value"] and d.rows[0].max_abs > 1e19
+
+
+def test_tree_diff_fp4_with_a_non_e8m0_scale_is_compared_bytewise():
+    q, s = quant.quant_fp4(torch.randn(4, 64))
+    a = {"w": {"weight": q, "scale": quant.e8m0_to_float(s)}}                # a float scale is no e8m0 scale
+    d = fd.tree_diff(a, {"w": {"weight": q.clone(), "scale": a["w"]["scale"].clone()}}, atol=0)
+    assert d.ok and d.rows[1].note == "bytewise"
+
+
+def test_tree_diff_worst_ranks_inf_and_nan_first():
+    """A tensor that turned inf or NaN has a NaN cosine diff; as a sort key that left it wherever it happened
+    to be, so worst(1) showed a finite difference instead."""
+    a = {k: torch.ones(4) for k in "abc"}
+    for bad in (float("inf"), float("nan")):
+        b = {"a": torch.tensor([1.0, 1, 1, 2]), "b": torch.tensor([1.0, 1, 1, bad]), "c": torch.tensor([1.0, 1, 1, 1.5])}
+        for atol in (None, 0.1):
+            assert [r.path for r in fd.tree_diff(a, b, atol=atol).worst(1)] == ["b"], (bad, atol)
