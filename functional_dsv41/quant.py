@@ -31,7 +31,9 @@ FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 
 # ----------------------------------------------------------------------------- e8m0 scales
 def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
-    """e8m0 (or its uint8 bytes) -> fp32 2^(e-127)."""
+    """e8m0 (or its uint8 bytes) -> fp32 2^(e-127). Any other dtype is refused: its values are not exponent bytes."""
+    if s.dtype not in (E8M0, torch.uint8):
+        raise TypeError(f"e8m0_to_float: expected e8m0 (float8_e8m0fnu) or uint8 exponent bytes, got {s.dtype}")
     e = s.view(torch.uint8) if s.dtype == E8M0 else s
     e = e.to(torch.int32) - 127
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
@@ -114,9 +116,25 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- weights
+def _check_storage(op: str, q: torch.Tensor, q_dtypes: tuple, scale: torch.Tensor, want: tuple) -> None:
+    """A dequantiser's operands: ``q`` of a storage dtype, ``scale`` e8m0 (or uint8 bytes) of exactly the
+    shape ``want``. A scale of another layout (1x32 rows for 32x32 blocks, ...) would otherwise broadcast or
+    be sliced into silently wrong values, and a float scale would be read as exponent bytes."""
+    if q.dtype not in q_dtypes:
+        raise TypeError(f"{op}: weight must be {' or '.join(map(str, q_dtypes))}, got {q.dtype}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (E8M0, torch.uint8):
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"{op}: scale must be e8m0 (float8_e8m0fnu, or its uint8 bytes), got {got}")
+    if tuple(scale.shape) != tuple(want):
+        raise ValueError(f"{op}: scale must be {list(want)} for the weight {list(q.shape)}, got {list(scale.shape)}")
+
+
 def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """fp8 e4m3 [N, K] with e8m0 [ceil(N/32), ceil(K/32)] -> dtype [N, K]."""
+    if q.dim() != 2:
+        raise ValueError(f"dequant_fp8_block: weight must be 2-D [N, K], got {list(q.shape)}")
     N, K = q.shape
+    _check_storage("dequant_fp8_block", q, (FP8,), scale, (-(-N // BLOCK), -(-K // BLOCK)))
     s = e8m0_to_float(scale).repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
     return (q.float() * s).to(dtype)
 
@@ -139,6 +157,10 @@ def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequant_fp4(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """fp4 [N, K/2] packed with e8m0 [N, K/32] -> dtype [N, K]."""
+    if q.dim() < 1 or (2 * q.shape[-1]) % BLOCK:
+        raise ValueError(f"dequant_fp4: weight must be packed [..., K/2] with K a multiple of {BLOCK}, "
+                         f"got {list(q.shape)}")
+    _check_storage("dequant_fp4", q, (FP4X2, torch.uint8), scale, (*q.shape[:-1], 2 * q.shape[-1] // BLOCK))
     vals = fp4_unpack_decode(q)
     s = e8m0_to_float(scale).repeat_interleave(BLOCK, -1)
     return (vals * s).to(dtype)
@@ -155,6 +177,7 @@ def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequant_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """fp8 rows [..., D] with e8m0 per-32-column scales [..., D/32] -> dtype [..., D] (Engram rows)."""
+    _check_storage("dequant_fp8_rows", q, (FP8,), scale, (*q.shape[:-1], q.shape[-1] // BLOCK))
     s = e8m0_to_float(scale)
     return (_blocks(q.float(), BLOCK) * s[..., None]).flatten(-2).to(dtype)
 

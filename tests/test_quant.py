@@ -98,3 +98,38 @@ def test_round_trip_catches_a_wrong_format():
     v = quant.dequant_fp8_rows(q, s, torch.float32)
     q2, s2 = quant.quant_fp8_block(v)
     assert not torch.equal(quant.dequant_fp8_block(q2, s2, torch.float32), v)
+
+
+def test_dequantisers_refuse_a_scale_of_another_layout():
+    """A scale of the wrong layout or dtype is an error naming it, not silently wrong values: 1x32 row scales
+    given for a 32x32-block weight were sliced into place, float scales read as exponent bytes, and
+    ``linear(mode="dequant")`` ran on them where ``mode="reference"`` refused."""
+    from functional_dsv41.linear import linear
+    w = torch.randn(64, 96)
+    q, s = quant.quant_fp8_block(w)
+    _, s_rows = quant.quant_fp8_rows(w)                                       # [64, 3]: another format
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    for mode in ("reference", "dequant"):
+        with pytest.raises(ValueError, match=r"\[2, 3\]"):
+            linear(x, {"weight": q, "scale": s_rows}, mode=mode)
+    with pytest.raises(ValueError, match=r"dequant_fp8_block: scale must be \[2, 3\]"):
+        quant.dequant_fp8_block(q, s_rows)
+    with pytest.raises(TypeError, match="e8m0"):
+        quant.dequant_fp8_block(q, quant.e8m0_to_float(s))                  # fp32 scales: values, not bytes
+    with pytest.raises(TypeError, match="e8m0"):
+        linear(x, {"weight": q, "scale": quant.e8m0_to_float(s)}, mode="dequant")
+    with pytest.raises(TypeError, match="weight must be"):
+        quant.dequant_fp8_block(w.to(torch.bfloat16), s)                     # already dequantised
+    q4, s4 = quant.quant_fp4(w)
+    with pytest.raises(ValueError, match=r"dequant_fp4: scale must be \[64, 3\]"):
+        quant.dequant_fp4(q4, s4[:, :2])
+    with pytest.raises(TypeError, match="e8m0"):
+        quant.dequant_fp4(q4, quant.e8m0_to_float(s4))
+    qr, sr = quant.quant_fp8_rows(w)
+    with pytest.raises(ValueError, match=r"dequant_fp8_rows: scale must be \[64, 3\]"):
+        quant.dequant_fp8_rows(qr, sr[:, :1])
+    with pytest.raises(TypeError, match="e8m0_to_float"):
+        quant.e8m0_to_float(torch.ones(3))
+    # the right operands still decode, also as uint8 exponent bytes
+    assert torch.equal(quant.dequant_fp8_block(q, s.view(torch.uint8)), quant.dequant_fp8_block(q, s))
+    assert torch.equal(quant.dequant_fp4(q4.view(torch.uint8), s4), quant.dequant_fp4(q4, s4))
