@@ -118,9 +118,21 @@ def _check_token_types(batch: dict, data: bool) -> None:
                          "(one entry per row, image_processor.load_image); text positions are -1")
 
 
-def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
+BATCH_KEYS = ("input_ids", "positions", "token_types", "images")
+
+
+def _check_batch(batch) -> None:
+    """Host-only checks of the batch dict, run even with ``validate=False``: ``input_ids`` present and no key
+    forward does not read. A misspelt or foreign key (``position_ids``, ``image``) would otherwise be ignored
+    silently, running packed samples unisolated or images as text."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise ValueError("forward: batch must be a dict with 'input_ids' (int64 [b, s])")
+    unknown = [k for k in batch if k not in BATCH_KEYS]
+    if unknown:
+        raise ValueError(f"forward: batch has keys that forward does not read: {unknown} (known: {list(BATCH_KEYS)})")
+
+
+def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"forward: input_ids must be a tensor, got {type(ids).__name__}")
@@ -167,6 +179,9 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
     pos = batch.get("positions")
     if pos is None:
         return Chunk(start, pos_abs, pos_abs.expand(b, s), torch.zeros(b, s, dtype=torch.long, device=device))
+    if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+        got = pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise TypeError(f"forward: positions must be an integer tensor [b, s], got {got}")
     pos = pos.to(device=device, dtype=torch.long)
     if pos.shape != ids.shape:
         raise ValueError(f"forward: positions {tuple(pos.shape)} must match input_ids {tuple(ids.shape)}")
@@ -204,6 +219,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     ``fd.clone_state(state)`` (one copy of the buffers) and grow one future from each copy.
     """
     _check_state(state)
+    _check_batch(batch)
     if validate:
         _check_inputs(params, batch, cfg, state)
     _check_token_types(batch, data=validate)

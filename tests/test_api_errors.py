@@ -157,3 +157,26 @@ def test_cli_speculative_needs_draft_stages(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rc, err = _cli(capsys, "--ckpt", str(tmp_path), "--prompt", "hi", "--speculative")
     assert rc == 2 and err.startswith("error: --speculative needs DSpark draft stages"), err
+
+
+# ----------------------------------------------------------------------------- forward's batch
+def test_forward_refuses_batch_keys_it_does_not_read(model):
+    """A foreign or misspelt key was ignored: ``position_ids`` ran packed samples as one sequence, ``image`` ran
+    text only. Also under validate=False (a host-only check)."""
+    cfg, params = model
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    for key in ("position_ids", "image", "labels"):
+        for validate in (True, False):
+            with pytest.raises(ValueError, match=f"does not read: \\['{key}'\\]"):
+                fd.forward(params, {"input_ids": ids, key: torch.zeros(1, 8, dtype=torch.long)}, cfg=cfg,
+                           validate=validate)
+
+
+def test_forward_positions_must_be_integers(model):
+    """Float positions were truncated to integers silently (input_ids of a float dtype are refused)."""
+    cfg, params = model
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        fd.forward(params, {"input_ids": ids, "positions": torch.arange(8.0)[None] + 0.5}, cfg=cfg)
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        fd.forward(params, {"input_ids": ids, "positions": [list(range(8))]}, cfg=cfg)
