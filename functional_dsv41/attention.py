@@ -202,17 +202,25 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
         n_new = kv_new.shape[1]
         if n_prev + n_new > cache.compress_kv.shape[1]:
             raise ValueError(f"layer {L}: compressed history full ({cache.compress_kv.shape[1]} rows)")
-        # append-only history: write the new rows past the old count (see state.py ownership rule)
-        with torch.no_grad():
-            cache.compress_kv[:, n_prev:n_prev + n_new] = kv_new
-            cache.index_k[:, n_prev:n_prev + n_new] = keys_new
+        hist_kv, hist_k = cache.compress_kv, cache.index_k
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (kv_new, keys_new, hist_kv, hist_k)):
+            # differentiated through the state: a new history (one copy) rather than the in-place append below,
+            # whose no_grad write would cut reverse-mode gradients from later chunks to the rows written here
+            def put(buf, new):
+                return torch.cat([buf[:, :n_prev], new.to(buf.dtype), buf[:, n_prev + n_new:]], 1)
+            hist_kv, hist_k = put(hist_kv, kv_new), put(hist_k, keys_new)
+        else:
+            # append-only history: write the new rows past the old count (see state.py ownership rule)
+            with torch.no_grad():
+                hist_kv[:, n_prev:n_prev + n_new] = kv_new
+                hist_k[:, n_prev:n_prev + n_new] = keys_new
         hist = torch.arange(n_prev, device=x.device)
-        kv_new = torch.cat([cache.compress_kv[:, :n_prev], kv_new], 1)
-        keys_new = torch.cat([cache.index_k[:, :n_prev], keys_new], 1)
+        kv_new = torch.cat([hist_kv[:, :n_prev], kv_new], 1)
+        keys_new = torch.cat([hist_k[:, :n_prev], keys_new], 1)
         end = torch.cat([(hist * r + r - 1).expand(x.shape[0], n_prev), end], 1)
         seg = torch.cat([torch.zeros_like(end[:, :n_prev]), seg], 1)
         group = torch.cat([hist.expand(x.shape[0], n_prev), group], 1)
-        new_cache = AttnCache(new_cache.window_kv, cache.compress_kv, cache.index_k, part_kv, part_s)
+        new_cache = AttnCache(new_cache.window_kv, hist_kv, hist_k, part_kv, part_s)
     visible = visible_range(end, seg, chunk.pos_abs, chunk.seg_start)        # (lo, hi) [b, s] each
     shared = shared.replace(kv={**shared.kv, L: kv_new}, index_k={**shared.index_k, L: keys_new},
                             visible={**shared.visible, L: visible},
