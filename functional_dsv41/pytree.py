@@ -21,23 +21,31 @@ OPTREE_NAMESPACE = "functional_dsv41"
 def register_carrier(cls):
     """Class decorator: register a frozen dataclass as a pytree node with torch and optree.
 
-    Children are the dataclass fields in declaration order; ``None`` fields stay ``None`` leaves of
-    both libraries' "empty" kind. Use it on every state carrier, once.
+    Children are the dataclass fields in declaration order; ``None`` fields are no children at all (optree's
+    "empty" None; for torch the field names that are present are the node's context), so both libraries see
+    the same leaves and ``torch.func.vmap`` / ``jvp`` can return a carrier with unset fields (a
+    ``ForwardOutput`` without state or hidden streams): torch's own None would be a leaf they refuse.
+    Use it on every state carrier, once.
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"register_carrier: {cls.__name__} is not a dataclass")
     names = tuple(f.name for f in dataclasses.fields(cls))
 
+    def present(obj):
+        return tuple(n for n in names if getattr(obj, n) is not None)
+
     def flatten(obj):
-        return [getattr(obj, n) for n in names], names
+        ctx = present(obj)
+        return [getattr(obj, n) for n in ctx], ctx
 
     def unflatten(children, ctx=names):
-        return cls(**dict(zip(ctx, children)))
+        return cls(**{n: None for n in names if n not in ctx}, **dict(zip(ctx, children)))
 
     torch_pytree.register_pytree_node(
         cls, flatten, lambda children, ctx: unflatten(children, ctx),
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-        flatten_with_keys_fn=lambda obj: ([(torch_pytree.GetAttrKey(n), getattr(obj, n)) for n in names], names),
+        flatten_with_keys_fn=lambda obj: ([(torch_pytree.GetAttrKey(n), getattr(obj, n)) for n in present(obj)],
+                                          present(obj)),
     )
     optree.register_pytree_node(
         cls, lambda obj: ([getattr(obj, n) for n in names], names, names),

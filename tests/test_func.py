@@ -171,3 +171,26 @@ def test_grad_through_a_decode_state_equals_the_stateless_grad():
     g_full = grad(full)(train)
     k = "layers.2.attn.compressor.wkv.weight"
     assert (g[k] - g_full[k]).norm() <= 0.02 * g_full[k].norm(), ((g[k] - g_full[k]).norm(), g_full[k].norm())
+
+
+def test_vmap_can_return_the_forward_output():
+    """vmap over forward may return the ForwardOutput itself: its unset fields (state, aux, ...) are no pytree
+    leaves for torch either (a torch None leaf made vmap refuse the output: "must only return Tensors")."""
+    import torch.utils._pytree as tp
+    cfg, params = tiny_model(seed=8)
+    ids = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(8))
+
+    def one(x):
+        return fd.forward(params, {"input_ids": x[None]}, cfg=cfg, mode="dequant", dispatch="dense", validate=False,
+                          return_hidden=True)
+
+    out = vmap(one)(ids)
+    full = fd.forward(params, {"input_ids": ids}, cfg=cfg, mode="dequant", return_hidden=True)
+    assert out.state is None and out.aux is None
+    assert torch.equal(out.logits[:, 0], full.logits) and torch.equal(out.hidden[3][:, 0], full.hidden[3])
+    assert torch.equal(out.topk[5][:, 0], full.topk[5]) and torch.equal(out.candidates[:, 0], full.candidates)
+    # torch and optree see the same leaves of a carrier
+    leaves = tp.tree_leaves(full)
+    assert all(isinstance(t, torch.Tensor) for t in leaves) and len(leaves) == len(fd.flatten_with_paths(full))
+    assert tp.tree_unflatten(leaves, tp.tree_structure(full)).state is None
+
