@@ -6,7 +6,8 @@
 - fp8 e4m3 + e8m0 32x32 scale, or fp4 e2m1 (packed) + e8m0 1x32 scale:
   - ``mode="reference"``: activations quantised per 1x32 to fp8 (``act_quant``), block-scaled GEMM
     (``fp8_gemm`` / ``fp4_gemm``), exactly as the release runs; bf16 out.
-  - ``mode="dequant"``: weight dequantised to x's dtype, plain matmul (differentiable w.r.t. x).
+  - ``mode="dequant"``: weight dequantised to x's dtype, plain matmul (differentiable w.r.t. x; ``"reference"``
+    is not, and refuses an x that requires grad).
 - bf16/fp32 weights: ``F.linear(x, W)`` in x's dtype (the reference's default Linear); the caller
   casts x first where the release computes in fp32 (router, compressor of ratio 2, heads).
 - ``mode="qat"``: training fake-quant. Where the caller passes ``fake="fp8"`` (the layers the release
@@ -79,6 +80,12 @@ def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | Non
         raise ValueError(f"linear: mode must be one of {MODES}, got {mode!r}")
     if is_quantized(w):
         if mode == "reference":
+            if x.requires_grad and torch.is_grad_enabled():
+                # the fp8 activation cast is recorded by autograd and its backward fails deep in torch
+                # ('"add_stub" not implemented for Float8_e4m3fn'): say what to do instead
+                raise ValueError("linear: mode='reference' (fp8 activations, block-scaled GEMM) has no gradient "
+                                 "with respect to its input; differentiate with mode='dequant' (or 'qat': "
+                                 "forward(..., mode='dequant'))")
             xq, xs = kernels.act_quant(x.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
             gemm = kernels.fp8_gemm if w.dtype == quant.FP8 else kernels.fp4_gemm
             y = gemm(xq, xs, w, p["scale"], quant.E8M0, 32, impl=impl)
