@@ -139,11 +139,22 @@ def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16
     return (q.float() * s).to(dtype)
 
 
+def _check_finite(op: str, w: torch.Tensor) -> None:
+    """Weight quantizers: a NaN or inf has no storage encoding (its block's scale would be the e8m0 NaN byte)."""
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{op}: the weight {list(w.shape)} has {int(bad.sum())} non-finite value(s) (first at "
+                         f"{at}: {w[tuple(at)].item()}), which fp8/fp4 storage cannot encode")
+
+
 def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (e4m3 [N, K], e8m0 [ceil(N/32), ceil(K/32)]) with 2^ceil(log2(amax/448)) scales.
 
-    Zero blocks get the smallest normal-range scale so that they round-trip as zeros.
+    Zero blocks get the smallest normal-range scale so that they round-trip as zeros. A non-finite value is
+    refused (ValueError), as by ``quant_fp4`` and ``quant_fp8_rows``.
     """
+    _check_finite("quant_fp8_block", w)
     N, K = w.shape
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     wp = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
@@ -168,6 +179,7 @@ def dequant_fp4(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> t
 
 def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (float4_e2m1fn_x2 [N, K/2], e8m0 [N, K/32]), scales 2^ceil(log2(amax/6))."""
+    _check_finite("quant_fp4", w)
     blk = _blocks(w.float(), BLOCK)
     amax = blk.abs().amax(-1).clamp_min(FP4_MAX * 2.0 ** -126)
     s = pow2_ceil_scale(amax, 1.0 / FP4_MAX)
@@ -184,6 +196,7 @@ def dequant_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16)
 
 def quant_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., D] -> (e4m3 [..., D], e8m0 [..., D/32]): 1x32 blocks with power-of-two scales."""
+    _check_finite("quant_fp8_rows", w)
     q, s = act_quant(w, BLOCK, scale_fmt="ue8m0", _allow_float=True)
     return q, s
 

@@ -133,3 +133,14 @@ def test_dequantisers_refuse_a_scale_of_another_layout():
     # the right operands still decode, also as uint8 exponent bytes
     assert torch.equal(quant.dequant_fp8_block(q, s.view(torch.uint8)), quant.dequant_fp8_block(q, s))
     assert torch.equal(quant.dequant_fp4(q4.view(torch.uint8), s4), quant.dequant_fp4(q4, s4))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weight_quantizers_refuse_non_finite_values_alike(bad):
+    """A NaN / inf weight made quant_fp8_block and quant_fp4 fail with "every scale must be a positive power of
+    two" while quant_fp8_rows (Engram tables) stored it silently with the e8m0 NaN byte as its scale."""
+    w = torch.randn(64, 64)
+    w[3, 5] = bad
+    for f in (quant.quant_fp8_block, quant.quant_fp4, quant.quant_fp8_rows):
+        with pytest.raises(ValueError, match=rf"{f.__name__}: the weight \[64, 64\] has 1 non-finite value.*\[3, 5\]"):
+            f(w)
