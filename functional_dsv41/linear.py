@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from functional_dsv41 import kernels, quant
@@ -80,9 +81,10 @@ def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | Non
         raise ValueError(f"linear: mode must be one of {MODES}, got {mode!r}")
     if is_quantized(w):
         if mode == "reference":
-            if x.requires_grad and torch.is_grad_enabled():
+            if (x.requires_grad and torch.is_grad_enabled()) or fwAD.unpack_dual(x).tangent is not None:
                 # the fp8 activation cast is recorded by autograd and its backward fails deep in torch
-                # ('"add_stub" not implemented for Float8_e4m3fn'): say what to do instead
+                # ('"add_stub" not implemented for Float8_e4m3fn'); forward AD (jvp) rounds the tangent to fp8
+                # with the activation and returns a meaningless derivative: say what to do instead
                 raise ValueError("linear: mode='reference' (fp8 activations, block-scaled GEMM) has no gradient "
                                  "with respect to its input; differentiate with mode='dequant' (or 'qat': "
                                  "forward(..., mode='dequant'))")

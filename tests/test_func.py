@@ -197,7 +197,8 @@ def test_vmap_can_return_the_forward_output():
 
 def test_grad_in_reference_mode_over_fp8_weights_says_to_use_dequant():
     """The release's fp8 path (act_quant + block-scaled GEMM) has no input gradient: grad over the default mode
-    with an fp8 checkpoint failed in torch's backward with '"add_stub" not implemented for Float8_e4m3fn'."""
+    with an fp8 checkpoint failed in torch's backward with '"add_stub" not implemented for Float8_e4m3fn', and
+    jvp returned a number unrelated to the dequant model's derivative (-4.5 against 12.7 on one tiny model)."""
     import pytest
     cfg = fd.Config.tiny(dtype="fp8", expert_dtype="fp4", max_seq_len=32)
     params = fd.init_params(cfg, seed=9)
@@ -213,6 +214,11 @@ def test_grad_in_reference_mode_over_fp8_weights_says_to_use_dequant():
 
     with pytest.raises(ValueError, match="mode='reference'.*no gradient.*mode='dequant'"):
         grad(loss)(train, "reference")
+    # forward mode rounded the tangent to fp8 with the activation: a silently meaningless derivative
+    v = {k: torch.randn(x.shape, generator=torch.Generator().manual_seed(10)) for k, x in train.items()}
+    with pytest.raises(ValueError, match="mode='reference'.*no gradient"):
+        jvp(lambda tr: loss(tr, "reference"), (train,), (v,))
+    jvp(lambda tr: loss(tr, "dequant"), (train,), (v,))
     assert grad(loss)(train, "dequant")["layers.0.attn_norm.weight"].abs().max() > 0
     with torch.no_grad():                                    # inference in reference mode is unaffected
         loss(train, "reference")
