@@ -217,6 +217,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     (every state of the history past ``state.pos``) become stale, and passing one to ``forward``
     raises a ValueError saying so. To keep two futures of one state, branch with
     ``fd.clone_state(state)`` (one copy of the buffers) and grow one future from each copy.
+    Under reverse-mode autograd (the new rows or the state's history require grad) the history is copied rather
+    than appended in place, so that gradients reach the rows earlier chunks wrote.
     """
     _check_state(state)
     _check_batch(batch)
