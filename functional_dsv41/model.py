@@ -119,17 +119,19 @@ def _check_token_types(batch: dict, data: bool) -> None:
 
 
 BATCH_KEYS = ("input_ids", "positions", "token_types", "images")
+LOSS_KEYS = ("labels",)         # the training batch's (train.data.make_labels): the loss reads it, forward need not
 
 
 def _check_batch(batch) -> None:
     """Host-only checks of the batch dict, run even with ``validate=False``: ``input_ids`` present and no key
-    forward does not read. A misspelt or foreign key (``position_ids``, ``image``) would otherwise be ignored
-    silently, running packed samples unisolated or images as text."""
+    forward does not read (but the training batch's ``labels``). A misspelt or foreign key (``position_ids``,
+    ``image``) would otherwise be ignored silently, running packed samples unisolated or images as text."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise ValueError("forward: batch must be a dict with 'input_ids' (int64 [b, s])")
-    unknown = [k for k in batch if k not in BATCH_KEYS]
+    unknown = [k for k in batch if k not in BATCH_KEYS + LOSS_KEYS]
     if unknown:
-        raise ValueError(f"forward: batch has keys that forward does not read: {unknown} (known: {list(BATCH_KEYS)})")
+        raise ValueError(f"forward: batch has keys that forward does not read: {unknown} (known: {list(BATCH_KEYS)}, "
+                         f"and {list(LOSS_KEYS)}, which the training loss reads)")
 
 
 def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):

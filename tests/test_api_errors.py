@@ -165,11 +165,14 @@ def test_forward_refuses_batch_keys_it_does_not_read(model):
     text only. Also under validate=False (a host-only check)."""
     cfg, params = model
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    for key in ("position_ids", "image", "labels"):
+    for key in ("position_ids", "image", "label"):
         for validate in (True, False):
             with pytest.raises(ValueError, match=f"does not read: \\['{key}'\\]"):
                 fd.forward(params, {"input_ids": ids, key: torch.zeros(1, 8, dtype=torch.long)}, cfg=cfg,
                            validate=validate)
+    # a training batch (train.data: input_ids, positions, labels) goes to forward as it is
+    batch = {"input_ids": ids, "positions": torch.arange(8)[None], "labels": ids}
+    assert torch.equal(fd.forward(params, batch, cfg=cfg).logits, fd.forward(params, {"input_ids": ids}, cfg=cfg).logits)
 
 
 def test_forward_positions_must_be_integers(model):
