@@ -69,3 +69,21 @@ def test_shipped_corpus_and_tokenizer():
     d = D.PackedData(list(samples), row_len=128, batch_size=2, pad_id=2)
     st = d.stats()
     assert st["pad_fraction"] < 0.3
+
+
+def test_cached_corpus_and_tokenizer_follow_a_rewritten_file(tmp_path):
+    # a notebook that rewrites its corpus (or retrains its tokenizer) under the same name must not train on
+    # the cached old one (run.py records the sha256 of the file as it is now)
+    import shutil
+    corpus, tok_json = tmp_path / "corpus.txt", tmp_path / "tokenizer.json"
+    shutil.copyfile(T.TOKENIZER_JSON, tok_json)
+    corpus.write_text("Once upon a time there was a cat.\n" * 3)
+    a = D.shipped_samples(str(corpus), str(tok_json))
+    corpus.write_text("The dog ran far away into the big green forest today.\n" * 5)
+    b = D.shipped_samples(str(corpus), str(tok_json))
+    assert len(a) == 3 and len(b) == 5
+    n = T.special_ids(str(tok_json))["vocab_size"]
+    tok = T.load_tokenizer(str(tok_json))
+    tok.add_special_tokens(["<extra>"])
+    tok.save(str(tok_json))
+    assert T.special_ids(str(tok_json))["vocab_size"] == n + 1

@@ -141,7 +141,13 @@ class PackedData:
                 "tokens_per_epoch": int(sum(len(s) for s in self.samples))}
 
 
-@lru_cache(maxsize=2)
 def shipped_samples(corpus: str, tokenizer_json: str) -> tuple:
-    """``load_samples`` of the shipped corpus, cached (tests and run.py share it)."""
-    return tuple(load_samples(corpus, tokenizer_json))
+    """``load_samples`` of the shipped corpus, cached (tests and run.py share it) while neither file changes:
+    keyed by path, size and mtime, so a corpus or tokenizer rewritten under the same name is read again."""
+    from .tokenizer import file_key
+    return _samples(file_key(corpus), file_key(tokenizer_json))
+
+
+@lru_cache(maxsize=2)
+def _samples(corpus_key: tuple, tokenizer_key: tuple) -> tuple:
+    return tuple(load_samples(corpus_key[0], tokenizer_key[0]))

@@ -50,13 +50,24 @@ def train_tokenizer(corpus: str = CORPUS_TXT, vocab_size: int = 768, out: str | 
     return tok
 
 
-@lru_cache(maxsize=4)
+def file_key(path: str) -> tuple:
+    """``(path, size, mtime_ns, inode)`` of a file: a cache key that changes when the file is rewritten, so a
+    notebook that retrains the tokenizer or rewrites a corpus under the same name does not get the old one."""
+    st = os.stat(path)
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 def load_tokenizer(path: str = TOKENIZER_JSON):
-    """The ``tokenizers.Tokenizer`` saved at ``path`` (cached)."""
-    from tokenizers import Tokenizer
+    """The ``tokenizers.Tokenizer`` saved at ``path`` (cached while the file is unchanged)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `python train/tokenizer.py` to train it")
-    return Tokenizer.from_file(path)
+    return _load_tokenizer(file_key(path))
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(key: tuple):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(key[0])
 
 
 def special_ids(path: str = TOKENIZER_JSON) -> dict[str, int]:
