@@ -31,6 +31,10 @@ def _bad_corpus(tmp_path):
     (["--loss_draft", "0.5"], "needs DSpark stages but model tiny has n_mtp_layers=0"),
     (["--sample_tokens", "4", "--sample_prompt", "once upon a time " * 100], "more than the model's max_seq_len 256"),
     (["--resume", "--overwrite"], "--resume and --overwrite contradict"),
+    (["--clip", "nan"], "--clip nan: must be a finite number"),
+    (["--lr", "inf"], "--lr inf: must be a finite number"),
+    (["--weight_decay", "inf"], "--weight_decay inf: must be a finite number"),
+    (["--loss_ce", "nan"], "--loss_ce nan: must be a finite number"),
 ])
 def test_bad_input_is_refused_before_out_is_made(tmp_path, args, message):
     args = [a(tmp_path) if callable(a) else a for a in args]

@@ -90,3 +90,18 @@ def test_schedule_values():
     assert f(109) == pytest.approx(1e-4)
     assert f(500) == pytest.approx(1e-4)
     assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+def test_non_finite_hyperparameters_are_refused():
+    # clip=NaN passed `max_norm <= 0` and scaled every gradient by NaN; lr / weight_decay = inf passed through:
+    # one update made every parameter non-finite, after the finiteness checks of the step had run
+    params = _tensors()
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(ValueError, match="max_norm is NaN"):
+        optim.clip_by_global_norm(grads, float("nan"))
+    same, _ = optim.clip_by_global_norm(grads, float("inf"))
+    assert all(torch.equal(same[k], grads[k]) for k in grads)
+    st = optim.adamw_init(params)
+    for lr, wd in ((float("inf"), 0.1), (1e-3, float("inf")), (float("nan"), 0.1)):
+        with pytest.raises(ValueError, match="must be finite"):
+            optim.adamw_update(grads, st, params, lr=lr, cfg=optim.AdamWConfig(weight_decay=wd))

@@ -58,6 +58,10 @@ def adamw_update(grads: dict[str, torch.Tensor], state: dict, params: dict[str, 
     if set(grads) != set(params):
         missing, extra = sorted(set(params) - set(grads)), sorted(set(grads) - set(params))
         raise KeyError(f"adamw_update: grads/params keys differ (missing {missing[:3]}, extra {extra[:3]})")
+    if not (math.isfinite(lr) and math.isfinite(cfg.weight_decay)):
+        # an inf lr / decay turns every parameter into NaN or inf in one step, which nothing after would catch
+        raise ValueError(f"adamw_update: lr and weight_decay must be finite, got lr={lr}, "
+                         f"weight_decay={cfg.weight_decay}")
     t = state["count"] + 1
     bc1 = 1 - cfg.b1 ** t
     bc2_sqrt = (1 - cfg.b2 ** t) ** 0.5
@@ -90,6 +94,8 @@ def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float
     Same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``min(1, max_norm / (norm + 1e-6))``.
     Returns ``(clipped, norm_before)``.
     """
+    if math.isnan(max_norm):   # NaN <= 0 is False: every gradient would be scaled by NaN
+        raise ValueError("clip_by_global_norm: max_norm is NaN (<= 0 turns clipping off, inf never clips)")
     norm = global_norm(grads)
     if max_norm <= 0:
         return grads, norm

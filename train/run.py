@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -251,7 +252,15 @@ def _fmt(step: int, total: int, m: dict) -> str:
 def validate(rc: RunConfig) -> None:
     """Refuse bad options with a one-line message, before a model is built or a file written (a
     traceback after minutes of training, or a half-made OUT, is the failure this guards against)."""
+    bad_float = [f"--{k} {v}" for k, v in (("lr", rc.lr), ("min_lr_ratio", rc.min_lr_ratio),
+                                             ("weight_decay", rc.weight_decay), ("b1", rc.b1), ("b2", rc.b2),
+                                             *((f"loss_{k}", v) for k, v in rc.coefs.items()))
+                 if not math.isfinite(v)] + ([f"--clip {rc.clip}"] if math.isnan(rc.clip) else [])
     checks = [
+        # a NaN fails every comparison below but one (a NaN loss coefficient would switch its part off silently),
+        # an inf lr or weight decay passes them: either way the first update writes NaN into every parameter,
+        # and the checkpoint of that step would be named "last good" when the next step notices
+        (not bad_float, f"{', '.join(bad_float)}: must be a finite number (--clip may be inf: no clipping)"),
         (rc.steps >= 1, f"--steps must be >= 1, got {rc.steps}"),
         (rc.batch_size >= 1, f"--batch_size must be >= 1, got {rc.batch_size}"),
         (rc.seq_len >= 2, f"--seq_len must be >= 2 (a row needs a token and its target), got {rc.seq_len}"),
