@@ -208,3 +208,66 @@ def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):
         resume.write_atomic(str(p), '{"step": 1}\n')
     assert p.read_text() == '{"step": 1}\n{"step": 2}\n' and os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_disk_full_stops_with_a_message_naming_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """A checkpoint or export that cannot be written (disk full) ends the run with one line naming the last good
+    checkpoint and status write_failed (exit 2), not a traceback per array from orbax's writer threads."""
+    import collections
+    import shutil
+    du = collections.namedtuple("du", "total used free")
+    calls = []
+
+    def fake_usage(path):        # room for the step-2 checkpoint, not for the step-4 one
+        calls.append(path)
+        return du(1 << 40, 0, (1 << 40) if len(calls) == 1 else 1 << 20)
+
+    monkeypatch.setattr(shutil, "disk_usage", fake_usage)
+    r = run.train(_rc(tmp_path / "a"))
+    assert r["status"] == "write_failed" and r["step"] == 4
+    err = capsys.readouterr().err
+    assert "STOPPED before the checkpoint of step 4: it needs" in err and "1.0 MiB free" in err, err
+    assert f"Last good checkpoint: {tmp_path / 'a' / 'ckpt' / '2'}" in err, err
+    assert C.TrainCheckpointer(str(tmp_path / "a" / "ckpt")).latest_step() == 2
+    monkeypatch.undo()
+
+    # orbax reports a failed asynchronous save at the next save (or at close) as a ValueError
+    orig_save, orig_close = C.TrainCheckpointer.save, C.TrainCheckpointer.close
+    enospc = ValueError('RESOURCE_EXHAUSTED: Error writing "params/x": No space left on device [os_error_code=\'28\']')
+
+    def save(self, step, **kw):
+        if step == 4:
+            raise enospc
+        return orig_save(self, step, **kw)
+
+    monkeypatch.setattr(C.TrainCheckpointer, "save", save)
+    r = run.train(_rc(tmp_path / "b"))
+    assert r["status"] == "write_failed"
+    err = capsys.readouterr().err
+    assert "STOPPED: writing a checkpoint failed (RESOURCE_EXHAUSTED" in err and "ckpt/2;" in err, err
+    monkeypatch.undo()
+
+    closed = []
+
+    def close(self):             # the run's own checkpointer, the first to close
+        orig_close(self)
+        if not closed:
+            closed.append(self)
+            raise enospc
+
+    monkeypatch.setattr(C.TrainCheckpointer, "close", close)
+    r = run.train(_rc(tmp_path / "c", steps=2))
+    assert r["status"] == "write_failed"
+    assert "STOPPED: writing the last checkpoint failed" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fd, "save_params", no_space)
+    r = run.train(_rc(tmp_path / "d", steps=2, export=True))
+    assert r["status"] == "write_failed"
+    err = capsys.readouterr().err
+    assert "STOPPED: the export to" in err and "No space left on device" in err and "ckpt/2;" in err, err
+    monkeypatch.setattr(run, "train", lambda rc: {"status": "write_failed"})
+    assert run.main(["--steps=1"]) == 2

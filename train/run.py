@@ -28,8 +28,9 @@ The first SIGINT (Ctrl-C) or SIGTERM stops the run before the next step, waits f
 saves and prints where the last good checkpoint is; a second one aborts at once.
 
 Exit status: 0 on success; 2 when a loss part or gradient goes non-finite (the message names the step
-and the part/leaves; the last good checkpoint is left complete and loadable); 130 / 143 when stopped
-by SIGINT / SIGTERM.
+and the part/leaves; the last good checkpoint is left complete and loadable) or a checkpoint or the export
+cannot be written (e.g. the disk is full: the message names the last good checkpoint to resume from);
+130 / 143 when stopped by SIGINT / SIGTERM.
 """
 from __future__ import annotations
 
@@ -365,7 +366,7 @@ def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
 
 def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     """Run training per ``rc``. Returns {"status", "step", "metrics": last metrics, "out"}; status is "ok",
-    "non_finite" or "interrupted" (then "signal" holds the signal number).
+    "non_finite", "write_failed" or "interrupted" (then "signal" holds the signal number).
 
     Every check (options, inputs, the OUT folder, a resume's settings) runs before the first write to OUT,
     so a refused run leaves OUT as it was. ``fault(step_no, trainable) -> trainable`` is a test hook applied
@@ -460,9 +461,18 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         print(msg, file=sys.stderr, flush=True)
 
     def last_good() -> str:
-        ck.wait()
-        last = ck.latest_step()
+        with contextlib.suppress(Exception):   # a pending save that failed (disk full) is not a good one: skip it
+            ck.wait()
+        last = resume.newest_checkpoint(ckpt_dir, restore=False)[0]
         return "none" if last is None else os.path.join(ck.directory, str(last))
+
+    def write_failed(what: str, e: BaseException) -> None:
+        # orbax reports a failed asynchronous save (e.g. disk full) at the next save or at close, as a
+        # ValueError / OSError from its writer thread: one line naming it and the checkpoint to resume from
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        last = last_good()
+        stop(f"STOPPED: {what} failed ({first}). Last good checkpoint: {last}; free some space, then "
+             + ("run the same command with --resume" if last != "none" else "run again (no checkpoint to resume from)"))
 
     m: dict = {}
     status, signum = "ok", None
@@ -494,14 +504,35 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss/total']:.3f}")
                 if rc.ckpt_every > 0 and ((s + 1) % rc.ckpt_every == 0 or s + 1 == rc.steps):
-                    ck.save(s + 1, params={**trainable, **{k: v for k, v in frozen.items()
-                                                           if isinstance(v, torch.Tensor)}},
-                            opt_state=opt_state, data_state=data.state(), rng_state=torch.get_rng_state(),
-                            extra={"config": rc.config, **record})
+                    state = {**trainable, **{k: v for k, v in frozen.items() if isinstance(v, torch.Tensor)}}
+                    need = sum(t.numel() * t.element_size() for tree in (state, opt_state["mu"], opt_state["nu"])
+                               for t in tree.values())
+                    free = shutil.disk_usage(ck.directory).free
+                    if free < need:   # else orbax's writer threads fail midway, with a traceback per array
+                        stop(f"STOPPED before the checkpoint of step {s + 1}: it needs {need / 2**20:.1f} MiB and "
+                             f"{ck.directory} has {free / 2**20:.1f} MiB free. Last good checkpoint: {last_good()}; "
+                             f"free some space, then run the same command with --resume")
+                        status = "write_failed"
+                        break
+                    try:
+                        ck.save(s + 1, params=state, opt_state=opt_state, data_state=data.state(),
+                                rng_state=torch.get_rng_state(), extra={"config": rc.config, **record})
+                    except (OSError, ValueError) as e:   # the previous save's failure, raised here
+                        write_failed("writing a checkpoint", e)
+                        status = "write_failed"
+                        break
     finally:
         if bar is not None:
             bar.close()
-        ck.close()
+        try:
+            ck.close()
+        except (OSError, ValueError) as e:   # the last save failed (an exception already on its way wins)
+            close_error = e
+        else:
+            close_error = None
+    if close_error is not None and status == "ok":
+        write_failed("writing the last checkpoint", close_error)
+        status = "write_failed"
     result = {"status": status, "step": m.get("step", start), "metrics": m, "out": rc.out}
     if signum is not None:
         result["signal"] = signum
@@ -512,9 +543,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     if rc.export:
         exp = os.path.join(rc.out, "export")
         flat = ckpt_mod.to_storage(fd.flatten_with_paths(step_mod.assemble(trainable, frozen)), cfg)
-        fd.save_params(fd.unflatten_from_paths(flat), exp, cfg)
-        cfg.to_json(os.path.join(exp, "config.json"))
-        shutil.copyfile(rc.tokenizer, os.path.join(exp, "tokenizer.json"))
+        try:
+            fd.save_params(fd.unflatten_from_paths(flat), exp, cfg)
+            cfg.to_json(os.path.join(exp, "config.json"))
+            shutil.copyfile(rc.tokenizer, os.path.join(exp, "tokenizer.json"))
+        except OSError as e:   # e.g. disk full: the trained state is in the last checkpoint, say so
+            write_failed(f"the export to {exp}", e)
+            return {**result, "status": "write_failed"}
         print(f"exported params (release layout, storage dtypes) to {exp}", flush=True)
     if rc.sample_tokens > 0:
         tok = load_tokenizer(rc.tokenizer)
