@@ -94,6 +94,9 @@ def test_scalars_repeated_steps_and_bad_data_state(tmp_path):
     with pytest.raises(ValueError, match="step 5 is already saved"):
         ck.save(5, params={"w": torch.ones(3)}, opt_state=opt, data_state={})
     assert torch.equal(ck.restore(5)["params"]["w"], torch.zeros(3))
+    # an older step: orbax skipped it silently (a notebook loop restarted at step 0 in this folder saved nothing)
+    with pytest.raises(ValueError, match="step 2 is older than step 5"):
+        ck.save(2, params={"w": torch.ones(3)}, opt_state=opt, data_state={})
     with pytest.raises(TypeError, match="data_state and extra must be JSON values"):
         ck.save(6, params={"w": torch.ones(3)}, opt_state=opt, data_state={"offset": torch.tensor(3)})
     assert ck.all_steps() == [5]

@@ -16,7 +16,8 @@ writes them in the background. Orbax writes into a temporary folder and renames 
 after every file is written (its atomic finalize), so a save interrupted midway leaves a
 ``<step>.orbax-checkpoint-tmp-*`` folder that ``latest_step``/``restore`` ignore: it never replaces
 the last good checkpoint (tests/test_train_checkpoint.py kills a process inside the finalize).
-``max_to_keep`` keeps the newest N.
+``max_to_keep`` keeps the newest N. Steps must grow: ``save`` refuses a step that is already saved or older than
+the newest one (orbax would skip it without a word).
 """
 from __future__ import annotations
 
@@ -89,6 +90,14 @@ class TrainCheckpointer:
         if int(step) in self.manager.all_steps() or os.path.isdir(os.path.join(self.directory, str(int(step)))):
             raise ValueError(f"TrainCheckpointer.save: step {int(step)} is already saved in {self.directory} "
                              f"(orbax would skip it silently); restore it or save under another step")
+        # orbax also skips, without a word, every step at or below its newest one (a loop restarted from step 0
+        # in a folder that holds step 100 would save nothing)
+        newest = max([*self.manager.all_steps(),
+                      *(int(n) for n in os.listdir(self.directory) if n.isdigit())], default=None)
+        if newest is not None and int(step) < newest:
+            raise ValueError(f"TrainCheckpointer.save: step {int(step)} is older than step {newest}, already saved "
+                             f"in {self.directory} (orbax would skip it silently); save under a later step or "
+                             f"into another folder")
         for what, tree in (("params", params), ("opt_state['mu']", opt_state["mu"]), ("opt_state['nu']", opt_state["nu"])):
             bad = [k for k, v in _flatten(tree).items() if not isinstance(v, torch.Tensor)]
             if bad:
