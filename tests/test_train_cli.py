@@ -31,6 +31,7 @@ def _bad_corpus(tmp_path):
     (["--loss_draft", "0.5"], "needs DSpark stages but model tiny has n_mtp_layers=0"),
     (["--sample_tokens", "4", "--sample_prompt", "once upon a time " * 100], "more than the model's max_seq_len 256"),
     (["--resume", "--overwrite"], "--resume and --overwrite contradict"),
+    (["--frozen", "layer.*.attn.*"], "--frozen layer.*.attn.*: matches no parameter of model tiny"),
     (["--clip", "nan"], "--clip nan: must be a finite number"),
     (["--lr", "inf"], "--lr inf: must be a finite number"),
     (["--weight_decay", "inf"], "--weight_decay inf: must be a finite number"),

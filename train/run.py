@@ -211,6 +211,12 @@ def init_train_params(cfg: fd.Config, rc: RunConfig, token_map: torch.Tensor):
     pats = [p for p in rc.frozen.split(",") if p] + list(step_mod.unreached_patterns(rc.coefs))
     storage = ckpt_mod.to_storage(master, cfg)
     import fnmatch
+    # a misspelt glob froze nothing, silently (and replaced the default, so the Engram tables trained too)
+    unused = [p for p in rc.frozen.split(",") if p and p not in step_mod.FROZEN_DEFAULT
+              and not any(fnmatch.fnmatchcase(k, p) for k in storage)]
+    if unused:
+        raise SystemExit(f"--frozen {','.join(unused)}: matches no parameter of model {rc.config} (globs over "
+                         f"dotted paths such as layers.0.attn.wq_a.weight)")
     flat = {}
     for k, v in storage.items():  # frozen entries (and their scales) in storage form, the rest as masters
         base = k[: -len("scale")] + "weight" if k.endswith(".scale") else k
