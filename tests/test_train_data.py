@@ -87,3 +87,13 @@ def test_cached_corpus_and_tokenizer_follow_a_rewritten_file(tmp_path):
     tok.add_special_tokens(["<extra>"])
     tok.save(str(tok_json))
     assert T.special_ids(str(tok_json))["vocab_size"] == n + 1
+
+
+def test_a_corpus_line_is_one_sample_whatever_unicode_separators_it_holds(tmp_path):
+    # str.splitlines() cut a line at U+2028 or a form feed into two samples (a boundary no target crosses)
+    p = tmp_path / "c.txt"
+    p.write_bytes("Once upon a time\u2028there was a cat.\r\nThe dog\x0cran away.\n\n  \nEnd\n".encode("utf-8"))
+    samples = D.load_samples(str(p), T.TOKENIZER_JSON)
+    tok = T.load_tokenizer()
+    assert [tok.decode(s[1:-1].tolist()) for s in samples] == [
+        "Once upon a time\u2028there was a cat.", "The dog\x0cran away.", "End"]

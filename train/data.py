@@ -36,7 +36,10 @@ def load_samples(corpus: str, tokenizer_json: str, bos: int = 0, eos: int = 1) -
     from .tokenizer import load_tokenizer
     tok = load_tokenizer(tokenizer_json)
     with open(corpus, encoding="utf-8") as fh:
-        lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+        # iterate, not str.splitlines(): that also splits at U+2028/2029, U+0085, \f, \v and \x1c-\x1e, which web
+        # text carries inside a line; a line ends at \n, \r\n or \r only (universal newlines)
+        lines = [ln.rstrip("\n") for ln in fh]
+        lines = [ln for ln in lines if ln.strip()]
     if not lines:
         raise ValueError(f"{corpus}: no samples (empty corpus)")
     return [np.asarray([bos] + e.ids + [eos], dtype=np.int64) for e in tok.encode_batch(lines)]
