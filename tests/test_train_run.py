@@ -271,3 +271,19 @@ def test_disk_full_stops_with_a_message_naming_the_last_checkpoint(tmp_path, mon
     assert "STOPPED: the export to" in err and "No space left on device" in err and "ckpt/2;" in err, err
     monkeypatch.setattr(run, "train", lambda rc: {"status": "write_failed"})
     assert run.main(["--steps=1"]) == 2
+
+
+def test_an_earlier_export_is_not_overwritten_without_overwrite(tmp_path):
+    """A run without checkpoints leaves only its export; a second run in that OUT used to truncate its metrics
+    and replace its export without --overwrite (the guard looked at checkpoints only)."""
+    out = tmp_path / "o"
+    assert run.train(_rc(out, steps=1, ckpt_every=0, export=True))["status"] == "ok"
+    model = (out / "export" / "model.safetensors").read_bytes()
+    metrics = (out / "metrics.jsonl").read_text()
+    for kw in ({}, {"resume": True}):
+        with pytest.raises(SystemExit, match="holds the export of an earlier run"):
+            run.train(_rc(out, steps=1, ckpt_every=0, seed=3, **kw))
+    assert (out / "export" / "model.safetensors").read_bytes() == model
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert run.train(_rc(out, steps=1, ckpt_every=0, seed=3, overwrite=True))["status"] == "ok"
+    assert not (out / "export").exists()    # export=False: no stale model beside the new run's records

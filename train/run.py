@@ -78,7 +78,8 @@ class RunConfig:
     keep_last: int = 2             # checkpoints kept (>= 1)
     out: str = "runs/tiny"
     resume: bool = False
-    overwrite: bool = False        # start afresh in an OUT that holds checkpoints (deletes OUT/ckpt)
+    overwrite: bool = False        # start afresh in an OUT that holds checkpoints or an export (deletes OUT/ckpt
+    #                                and OUT/export)
     qat: bool = False              # mode="qat": linear() fake-quantises (fp8 / fp4 experts), STE gradients
     mode: str = "dequant"          # forward mode when qat is off
     loss_ce: float = 1.0
@@ -392,6 +393,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     if latest is not None and not rc.resume and not rc.overwrite:
         raise SystemExit(f"{os.path.abspath(ckpt_dir)} already holds checkpoints (step {latest}): pass --resume "
                          f"to continue, --overwrite to start afresh, or another --out")
+    exp_dir = os.path.join(rc.out, "export")
+    earlier_export = os.path.isdir(exp_dir) and any(f.endswith(".safetensors") for f in os.listdir(exp_dir))
+    if restored is None and earlier_export and not rc.overwrite:
+        # a run without checkpoints (--ckpt_every 0) leaves only its export: a fresh start here would truncate
+        # its metrics at once and replace the export at its end (or leave it beside the new run's records)
+        raise SystemExit(f"{os.path.abspath(exp_dir)} holds the export of an earlier run and {os.path.abspath(ckpt_dir)} "
+                         f"no checkpoint to resume from: pass --overwrite to start afresh, or another --out")
     schedule_steps = rc.steps if restored is None else resume.check_resume(rc, cfg, restored)
     record = resume.run_record(rc, cfg, schedule_steps)
     if restored is not None:
@@ -435,6 +443,8 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
             print(f"--resume: no finished checkpoint in {os.path.abspath(ckpt_dir)}; starting afresh", flush=True)
         if latest is not None:   # --overwrite
             shutil.rmtree(ckpt_dir)
+        if earlier_export:       # --overwrite: the replaced run's model must not pass for this run's
+            shutil.rmtree(exp_dir)
         resume.write_atomic(os.path.join(rc.out, "config.json"), json.dumps(cfg.to_dict(), indent=4) + "\n")
         resume.write_atomic(os.path.join(rc.out, "run_config.json"), json.dumps(dataclasses.asdict(rc), indent=2))
         resume.write_atomic(metrics_path, "")
