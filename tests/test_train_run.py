@@ -14,7 +14,7 @@ def _rc(out, **kw):
     base = dict(config="tiny", steps=4, batch_size=2, seq_len=48, lr=3e-3, warmup=2, ckpt_every=2, keep_last=3,
                 out=str(out), export=False, sample_tokens=0, progress="off")
     base.update(kw)
-    return run.RunConfig(**base)
+    return run.preset_config(**{"name": base.pop("config"), **base})
 
 
 def _losses(out):
@@ -287,3 +287,15 @@ def test_an_earlier_export_is_not_overwritten_without_overwrite(tmp_path):
     assert (out / "metrics.jsonl").read_text() == metrics
     assert run.train(_rc(out, steps=1, ckpt_every=0, seed=3, overwrite=True))["status"] == "ok"
     assert not (out / "export").exists()    # export=False: no stale model beside the new run's records
+
+
+def test_a_preset_in_a_notebook_gets_its_run_settings(tmp_path, capsys):
+    """RunConfig(config='tiny-dspark') trained with loss_draft=0 (DSpark stages frozen, never trained) and
+    RunConfig(config='tiny-qat') without QAT, silently: the presets' run settings applied on the command line only."""
+    assert run.preset_config("tiny-dspark").loss_draft == 0.5 and run.preset_config("tiny-qat").qat is True
+    assert run.preset_config("tiny-qat", qat=False, steps=3).qat is False
+    assert run.preset_config("tiny-dspark") == run.parse_args(["--config", "tiny-dspark"])
+    r = run.train(run.RunConfig(config="tiny-qat", steps=1, batch_size=2, seq_len=48, ckpt_every=0, export=False,
+                                sample_tokens=0, progress="off", out=str(tmp_path / "o")))
+    assert r["status"] == "ok"
+    assert "note: preset tiny-qat sets qat=True; this run has qat=False" in capsys.readouterr().out

@@ -144,6 +144,15 @@ PRESETS: dict[str, tuple[Callable[..., fd.Config], dict]] = {
 }
 
 
+def preset_config(name: str = "tiny", **overrides) -> RunConfig:
+    """The RunConfig of preset ``name`` (its run settings, e.g. tiny-dspark's loss_draft=0.5, tiny-qat's qat=True)
+    with ``overrides`` on top: what ``--config NAME --key value ...`` gives. ``RunConfig(config=NAME)`` alone
+    takes the dataclass defaults for those settings (``_train`` says so when they differ from the preset's)."""
+    if name not in PRESETS:
+        raise KeyError(f"preset_config: {name!r} is no preset ({', '.join(PRESETS)})")
+    return RunConfig(**{"config": name, **PRESETS[name][1], **overrides})
+
+
 def model_config(rc: RunConfig) -> fd.Config:
     if rc.config in PRESETS:
         return PRESETS[rc.config][0](rc.tokenizer)
@@ -386,6 +395,14 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     sp = _special_ids(rc)
     cfg = model_config(rc)
     check_model(rc, cfg, sp)
+    if rc.config in PRESETS:
+        # RunConfig(config="tiny-dspark") trained without the draft loss (the DSpark stages frozen, untrained) and
+        # RunConfig(config="tiny-qat") without QAT, without a word: the preset's run settings were the CLI's only
+        off = {k: v for k, v in PRESETS[rc.config][1].items() if getattr(rc, k) != v}
+        if off:
+            print(f"note: preset {rc.config} sets " + ", ".join(f"{k}={v!r}" for k, v in off.items()) + "; this run has "
+                  + ", ".join(f"{k}={getattr(rc, k)!r}" for k in off) + f" (build the RunConfig with "
+                  f"run.preset_config({rc.config!r}, ...) to start from the preset's settings)", flush=True)
     samples = list(_load_corpus(rc))
     ckpt_dir = os.path.join(rc.out, "ckpt")
     metrics_path = os.path.join(rc.out, "metrics.jsonl")
