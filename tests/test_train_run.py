@@ -88,10 +88,16 @@ def test_non_finite_gradient_names_the_leaf():
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qat"])
-def test_export_then_load_params(tmp_path, preset, capsys):
-    """The export is the final train state re-quantised to the release's storage; load_params reads it back."""
+def test_export_then_load_params(tmp_path, preset, capsys, monkeypatch):
+    """The export is the final train state re-quantised to the release's storage; load_params reads it back.
+    The sample is drawn from the function that was trained (a QAT run's fake-quantised model, not its float
+    masters: in 'dequant' those are another model, whose greedy sample differed)."""
+    modes = []
+    sample = run.greedy_sample
+    monkeypatch.setattr(run, "greedy_sample", lambda *a: modes.append(a[-1]) or sample(*a))
     r = run.train(_rc(tmp_path, config=preset, steps=1, ckpt_every=1, export=True, sample_tokens=3))
     assert r["status"] == "ok" and "sample" in r and "sample (greedy" in capsys.readouterr().out
+    assert modes == ["qat" if preset == "tiny-qat" else "dequant"]
     cfg = fd.Config.from_json(str(tmp_path / "export" / "config.json"))
     loaded = fd.load_params(str(tmp_path / "export"), cfg)          # strict: every tensor, shape, dtype
     flat = fd.flatten_with_paths(loaded)

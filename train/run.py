@@ -588,7 +588,9 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         tok = load_tokenizer(rc.tokenizer)
         prompt = [sp["bos"]] + tok.encode(rc.sample_prompt).ids
         with torch.no_grad():
-            new = greedy_sample(params, cfg, prompt, rc.sample_tokens, sp["eos"], "dequant")
+            # the function that was trained: a QAT run's float masters in "dequant" are another model (its
+            # sample differed from the fake-quantised one and from the exported model's)
+            new = greedy_sample(params, cfg, prompt, rc.sample_tokens, sp["eos"], mode)
         text = tok.decode(prompt[1:] + new)
         result["sample"] = text
         print(f"sample (greedy, {len(new)} new tokens): {text}", flush=True)
