@@ -137,14 +137,32 @@ def n_image_tokens(n_llm_h: int, n_llm_w: int) -> int:
     return n_llm_h * (n_llm_w + 1) + 2
 
 
+def _shrink_to_budget(w: int, h: int, p: int, r: int, max_tokens: int) -> tuple[int, int]:
+    """Canvas (best_w, best_h) of a w x h image whose canvas costs more than ``max_tokens``: the reference's
+    ``solve_resize_ratio``, a closed form (not a search). The largest LLM grid width n_w with
+    ``(n_w * ratio) * (n_w + 1) + 2 <= max_tokens`` at this aspect is ``sqrt((max_tokens - 2) / ratio + 1/4) - 1/2``
+    (real-valued), the height ``n_h = n_w * ratio``; both floored to whole p*r cells, the image is scaled so its
+    tighter side fits them, and each side is floored to a patch multiple. A side under one cell collapses the grid
+    to one column (tall) or one row (wide)."""
+    ratio = h / w
+    max_w = math.sqrt((max_tokens - 2) / ratio + 0.25) - 0.5
+    max_h = max_w * ratio
+    cell = p * r
+    if max_w < 1.0:                                   # very tall: one column of (max_tokens - 2) // 2 cells
+        return cell, (max_tokens - 2) // 2 * cell
+    if max_h < 1.0:                                   # very wide: one row of max_tokens - 3 cells
+        return (max_tokens - 3) * cell, cell
+    beta = min(math.floor(max_w) * cell / w, math.floor(max_h) * cell / h)
+    return math.floor(w * beta / p) * p, math.floor(h * beta / p) * p
+
+
 def plan_image_grid(w: int, h: int, cfg) -> dict:
     """Canvas and grids for a w x h image (SPEC §12). Returns best_w, best_h, n_vit_h, n_vit_w, n_llm_h,
     n_llm_w, n_tokens.
 
     Upscale when 0 < w*h < vision_min_pixels by int(side * sqrt(min_pixels / (w*h))); canvas =
-    sides rounded up to patch multiples. Over the token budget, the largest aspect-preserving scale
-    that fits is searched [inferred: the reference's ``solve_resize_ratio`` was not available; this
-    branch is not covered by a fixture].
+    sides rounded up to patch multiples. Over the token budget, the canvas is the reference's
+    ``solve_resize_ratio`` of the (upscaled) size (``_shrink_to_budget``).
     """
     p, r = cfg.vision_patch_size, cfg.vision_downsample_ratio
     if w <= 0 or h <= 0:
@@ -153,20 +171,14 @@ def plan_image_grid(w: int, h: int, cfg) -> dict:
         s = math.sqrt(cfg.vision_min_pixels / (w * h))
         w, h = int(w * s), int(h * s)
 
-    def canvas(ww, hh):
-        bw, bh = math.ceil(ww / p) * p, math.ceil(hh / p) * p
-        return bw, bh, n_image_tokens(*llm_grid(bw, bh, p, r))
-
-    bw, bh, n = canvas(w, h)
+    bw, bh = math.ceil(w / p) * p, math.ceil(h / p) * p
+    n = n_image_tokens(*llm_grid(bw, bh, p, r))
     if n > cfg.vision_max_n_token:
-        lo, hi = 0.0, 1.0
-        for _ in range(60):                   # largest scale whose canvas fits the budget
-            mid = (lo + hi) / 2
-            if canvas(max(1, int(w * mid)), max(1, int(h * mid)))[2] <= cfg.vision_max_n_token:
-                lo = mid
-            else:
-                hi = mid
-        bw, bh, n = canvas(max(1, int(w * lo)), max(1, int(h * lo)))
+        bw, bh = _shrink_to_budget(w, h, p, r, cfg.vision_max_n_token)
+        n = n_image_tokens(*llm_grid(bw, bh, p, r))
+        if n > cfg.vision_max_n_token or bw < p or bh < p:      # the reference asserts the fit
+            raise ValueError(f"image {w} x {h}: no canvas within {cfg.vision_max_n_token} image tokens "
+                             f"(the shrunk {bw} x {bh} costs {n})")
     n_llm_h, n_llm_w = llm_grid(bw, bh, p, r)
     return dict(best_w=bw, best_h=bh, n_vit_h=bh // p, n_vit_w=bw // p, n_llm_h=n_llm_h, n_llm_w=n_llm_w,
                 n_tokens=n)

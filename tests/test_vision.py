@@ -88,6 +88,26 @@ def test_expand_image_tokens_matches_golden_layout():
         ip.expand_image_tokens(ids, [(5, 7), (5, 7)], cfg)
 
 
+@pytest.mark.parametrize("w, h, canvas", [
+    (1920, 1080, (1708, 966)),      # a search for the largest fitting scale gave 1722 x 980 (1010 tokens, not 968)
+    (3000, 1000, (2268, 756)),
+    (1000, 3000, (714, 2142)),
+    (4032, 3024, (1512, 1134)),
+    (50000, 600, (10500, 126)),
+    (600, 50000, (126, 10500)),
+    (200000, 100, (1021 * 42, 42)),  # wider than one row of cells at the budget: one row of 1021 cells
+    (100, 200000, (42, 511 * 42)),   # taller than one column: one column of 511 cells
+])
+def test_plan_over_budget_is_the_release_closed_form(w, h, canvas):
+    """Over the 1024-token budget the release shrinks with solve_resize_ratio's closed form (floor the real-valued
+    grid that fits the aspect to whole 42-pixel cells, scale the tighter side onto it, floor sides to 14): other
+    fitting canvases give other pixels and another span length. Expected canvases are that formula's."""
+    cfg = fd.Config.flash()
+    plan = ip.plan_image_grid(w, h, cfg)
+    assert (plan["best_w"], plan["best_h"]) == canvas
+    assert plan["n_tokens"] == ip.n_image_tokens(plan["n_llm_h"], plan["n_llm_w"]) <= cfg.vision_max_n_token
+
+
 def test_plan_and_resize_basics():
     cfg, _, _ = setup()
     plan = ip.plan_image_grid(84, 56, cfg)
