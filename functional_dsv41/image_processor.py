@@ -172,14 +172,13 @@ def plan_image_grid(w: int, h: int, cfg) -> dict:
         w, h = int(w * s), int(h * s)
 
     bw, bh = math.ceil(w / p) * p, math.ceil(h / p) * p
-    n = n_image_tokens(*llm_grid(bw, bh, p, r))
-    if n > cfg.vision_max_n_token:
+    if n_image_tokens(*llm_grid(bw, bh, p, r)) > cfg.vision_max_n_token:
         bw, bh = _shrink_to_budget(w, h, p, r, cfg.vision_max_n_token)
-        n = n_image_tokens(*llm_grid(bw, bh, p, r))
-        if n > cfg.vision_max_n_token or bw < p or bh < p:      # the reference asserts the fit
-            raise ValueError(f"image {w} x {h}: no canvas within {cfg.vision_max_n_token} image tokens "
-                             f"(the shrunk {bw} x {bh} costs {n})")
     n_llm_h, n_llm_w = llm_grid(bw, bh, p, r)
+    n = n_image_tokens(n_llm_h, n_llm_w)
+    if n > cfg.vision_max_n_token or bw < p or bh < p:          # (after a shrink) the reference asserts the fit
+        raise ValueError(f"image {w} x {h}: no canvas within {cfg.vision_max_n_token} image tokens "
+                         f"(the shrunk {bw} x {bh} costs {n})")
     return dict(best_w=bw, best_h=bh, n_vit_h=bh // p, n_vit_w=bw // p, n_llm_h=n_llm_h, n_llm_w=n_llm_w,
                 n_tokens=n)
 

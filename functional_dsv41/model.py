@@ -100,6 +100,15 @@ def _check_state(state) -> None:
     check_current(state, "forward")
 
 
+def _not_int_tensor(t) -> Optional[str]:
+    """What ``t`` is (its dtype, or its type's name) when it is not an integer tensor; None when it is one."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return str(t.dtype)
+    return None
+
+
 def _check_token_types(batch: dict, data: bool) -> None:
     """token_types: an integer tensor shaped like input_ids. ``data`` (a device sync): image positions
     (>= 0) need images, as images need token_types (vision.merge_image_embeddings) - spans without
@@ -107,8 +116,8 @@ def _check_token_types(batch: dict, data: bool) -> None:
     tt, ids = batch.get("token_types"), batch["input_ids"]
     if tt is None:
         return
-    if not isinstance(tt, torch.Tensor) or tt.is_floating_point() or tt.is_complex() or tt.dtype == torch.bool:
-        got = tt.dtype if isinstance(tt, torch.Tensor) else type(tt).__name__
+    got = _not_int_tensor(tt)
+    if got:
         raise TypeError(f"forward: token_types must be an integer tensor [b, s] (-1 text, 0..3 image span), "
                         f"got {got}")
     if tuple(tt.shape) != tuple(ids.shape):
@@ -138,7 +147,7 @@ def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[Decode
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"forward: input_ids must be a tensor, got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if _not_int_tensor(ids):
         raise TypeError(f"forward: input_ids must be an integer tensor, got {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"forward: input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
@@ -181,8 +190,8 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
     pos = batch.get("positions")
     if pos is None:
         return Chunk(start, pos_abs, pos_abs.expand(b, s), torch.zeros(b, s, dtype=torch.long, device=device))
-    if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
-        got = pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__
+    got = _not_int_tensor(pos)
+    if got:
         raise TypeError(f"forward: positions must be an integer tensor [b, s], got {got}")
     pos = pos.to(device=device, dtype=torch.long)
     if pos.shape != ids.shape:

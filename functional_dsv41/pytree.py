@@ -31,12 +31,13 @@ def register_carrier(cls):
         raise TypeError(f"register_carrier: {cls.__name__} is not a dataclass")
     names = tuple(f.name for f in dataclasses.fields(cls))
 
-    def present(obj):
-        return tuple(n for n in names if getattr(obj, n) is not None)
-
     def flatten(obj):
-        ctx = present(obj)
+        ctx = tuple(n for n in names if getattr(obj, n) is not None)
         return [getattr(obj, n) for n in ctx], ctx
+
+    def flatten_with_keys(obj):
+        children, ctx = flatten(obj)
+        return [(torch_pytree.GetAttrKey(n), c) for n, c in zip(ctx, children)], ctx
 
     def unflatten(children, ctx=names):
         return cls(**{n: None for n in names if n not in ctx}, **dict(zip(ctx, children)))
@@ -44,8 +45,7 @@ def register_carrier(cls):
     torch_pytree.register_pytree_node(
         cls, flatten, lambda children, ctx: unflatten(children, ctx),
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-        flatten_with_keys_fn=lambda obj: ([(torch_pytree.GetAttrKey(n), getattr(obj, n)) for n in present(obj)],
-                                          present(obj)),
+        flatten_with_keys_fn=flatten_with_keys,
     )
     optree.register_pytree_node(
         cls, lambda obj: ([getattr(obj, n) for n in names], names, names),

@@ -105,6 +105,11 @@ NOISE_SEEDS = 3                 # a flip, not a systematic error: no more rows d
 NEAR_TIE_QUANTILE = 0.1         # a flipped row's closest expert scores: among the layer's closest tenth of rows
 
 
+def differing_rows(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: which rows (over the last dim) of a discrete choice differ from the golden ``ref``."""
+    return (ours.to(ref.dtype).reshape(ref.shape) != ref).reshape(-1, ref.shape[-1]).any(-1)
+
+
 def golden_divergence(dbg: dict, g: dict, cfg) -> dict | None:
     """The first backbone layer whose discrete choices (candidate blocks ``candidates``, index top-k ``topk_idxs``,
     attended slots ``sparse_idx``, experts ``gate_idx``, checked in the order a block makes them) in an
@@ -117,8 +122,7 @@ def golden_divergence(dbg: dict, g: dict, cfg) -> dict | None:
             ref, ours = g.get(f"prefill.layer.{L}.{key}"), dbg.get(f"layer.{L}.{key}")
             if ref is None or ours is None:
                 continue
-            ours = ours.to(ref.dtype).reshape(ref.shape)
-            rows = (ours != ref).reshape(-1, ref.shape[-1]).any(-1)
+            rows = differing_rows(ours, ref)
             if rows.any():
                 return dict(layer=L, what=key, rows=int(rows.sum()), of=rows.numel(), before=worst, mask=rows)
         worst = max(worst, cosine_diff(dbg[f"layer.{L}.h"], g[f"prefill.layer.{L}.h"]))
@@ -177,9 +181,7 @@ def noise_flips(params: dict, cfg, g: dict, div: dict) -> list[int]:
     L, key, counts = div["layer"], div["what"], []
     for seed in range(NOISE_SEEDS):
         dbg = _teacher_forced(params, cfg, g, L, noise=(2 * div["before"]) ** 0.5, seed=seed)
-        ref = g[f"prefill.layer.{L}.{key}"]
-        ours = dbg[f"layer.{L}.{key}"].to(ref.dtype).reshape(ref.shape)
-        counts.append(int((ours != ref).reshape(-1, ref.shape[-1]).any(-1).sum()))
+        counts.append(int(differing_rows(dbg[f"layer.{L}.{key}"], g[f"prefill.layer.{L}.{key}"]).sum()))
     return counts
 
 

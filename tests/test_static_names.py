@@ -25,17 +25,15 @@ def undefined_globals(src: str, name: str = "<src>") -> list[tuple[str, int, str
     top = symtable.symtable(src, name, "exec")
     bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
     bound |= set(dir(builtins)) | MODULE_NAMES
-    bad = [("<module>", 1, s.get_name()) for s in top.get_symbols()
-           if s.is_referenced() and s.get_name() not in bound]
+    bad = []
 
-    def walk(table):
+    def walk(table):        # the module's own unbound reads are global there too
         for s in table.get_symbols():
             if s.is_global() and s.is_referenced() and s.get_name() not in bound:
                 bad.append((table.get_name(), table.get_lineno(), s.get_name()))
         for child in table.get_children():
             walk(child)
-    for child in top.get_children():
-        walk(child)
+    walk(top)
     return bad
 
 
