@@ -363,6 +363,25 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         stop(f"STOPPED: {what} failed ({first}). Last good checkpoint: {last}; free some space, then "
              + ("run the same command with --resume" if last != "none" else "run again (no checkpoint to resume from)"))
 
+    def save_checkpoint(step: int) -> bool:
+        """Start the asynchronous save of ``step``; False (after the message) when it cannot be written."""
+        state = {**trainable, **{k: v for k, v in frozen.items() if isinstance(v, torch.Tensor)}}
+        need = sum(t.numel() * t.element_size() for tree in (state, opt_state["mu"], opt_state["nu"])
+                   for t in tree.values())
+        free = shutil.disk_usage(ck.directory).free
+        if free < need:   # else orbax's writer threads fail midway, with a traceback per array
+            stop(f"STOPPED before the checkpoint of step {step}: it needs {need / 2**20:.1f} MiB and "
+                 f"{ck.directory} has {free / 2**20:.1f} MiB free. Last good checkpoint: {last_good()}; "
+                 f"free some space, then run the same command with --resume")
+            return False
+        try:
+            ck.save(step, params=state, opt_state=opt_state, data_state=data.state(),
+                    rng_state=torch.get_rng_state(), extra={"config": rc.config, **record})
+        except (OSError, ValueError) as e:   # the previous save's failure, raised here
+            write_failed("writing a checkpoint", e)
+            return False
+        return True
+
     m: dict = {}
     status, signum = "ok", None
     try:  # on any exit (also Ctrl-C or an exception) let pending async saves finish: they are good states
@@ -393,21 +412,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss/total']:.3f}")
                 if rc.ckpt_every > 0 and ((s + 1) % rc.ckpt_every == 0 or s + 1 == rc.steps):
-                    state = {**trainable, **{k: v for k, v in frozen.items() if isinstance(v, torch.Tensor)}}
-                    need = sum(t.numel() * t.element_size() for tree in (state, opt_state["mu"], opt_state["nu"])
-                               for t in tree.values())
-                    free = shutil.disk_usage(ck.directory).free
-                    if free < need:   # else orbax's writer threads fail midway, with a traceback per array
-                        stop(f"STOPPED before the checkpoint of step {s + 1}: it needs {need / 2**20:.1f} MiB and "
-                             f"{ck.directory} has {free / 2**20:.1f} MiB free. Last good checkpoint: {last_good()}; "
-                             f"free some space, then run the same command with --resume")
-                        status = "write_failed"
-                        break
-                    try:
-                        ck.save(s + 1, params=state, opt_state=opt_state, data_state=data.state(),
-                                rng_state=torch.get_rng_state(), extra={"config": rc.config, **record})
-                    except (OSError, ValueError) as e:   # the previous save's failure, raised here
-                        write_failed("writing a checkpoint", e)
+                    if not save_checkpoint(s + 1):
                         status = "write_failed"
                         break
     finally:
