@@ -71,7 +71,9 @@ order with a rescale between). Independent chains per SM would hide it, as Flash
 tiles: a 2-CTA cluster splitting D (each CTA holds Q[:, half] and the KV stages' halves, partial QK scores exchanged
 through distributed shared memory) leaves each warpgroup 64 x 256 outputs, so the two warpgroups of a CTA could
 each own a different query. Its shared memory (Q halves, stages and score-exchange buffers for two queries) is the
-first thing to fit.
+first thing to fit. Not the lever (run 74): the gathers' cp.async writes overlap the QK's shared-memory WGMMAs
+completely (a copy warpgroup beside m64n64 WGMMAs costs the longer of the two, not their sum), so the QK is not
+shared-memory bound and merging a pair's two QKs into one m64n128 has no bandwidth case.
 """
 import functools
 
