@@ -115,8 +115,15 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
                          "(fd.load_params builds it from the checkpoint's tokenizer.json)")
     if speculative and (cfg.n_mtp_layers < 1 or len(params.get("mtp", ())) != cfg.n_mtp_layers):
         raise ValueError("generate: speculative=True needs DSpark stages (cfg.n_mtp_layers and params['mtp'])")
-    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-        raise ValueError(f"generate: eos_id {eos_id} is not a token id")
+    if eos_id is not None:                       # a float eos_id (2.5) never matched, True matched token 1
+        eos = _token_id(eos_id, cfg.vocab_size)
+        if eos is None:
+            raise ValueError(f"generate: eos_id {eos_id!r} is not a token id (an integer in [0, {cfg.vocab_size}))")
+        eos_id = eos
+    try:                                         # int(seed) truncated 1.5 to 1 silently
+        seed = operator.index(seed)
+    except TypeError:
+        raise ValueError(f"generate: seed must be an integer, got {seed!r}") from None
     dev = params["embed"]["weight"].device
     b = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)

@@ -183,3 +183,21 @@ def test_forward_positions_must_be_integers(model):
         fd.forward(params, {"input_ids": ids, "positions": torch.arange(8.0)[None] + 0.5}, cfg=cfg)
     with pytest.raises(TypeError, match="positions must be an integer tensor"):
         fd.forward(params, {"input_ids": ids, "positions": [list(range(8))]}, cfg=cfg)
+
+
+def test_generate_eos_id_and_seed_must_be_integers(model):
+    """eos_id=2.5 never matched a token (the rows ran to max_new_tokens), eos_id=True stopped at token 1, and
+    seed=1.5 was truncated to 1: all silently."""
+    cfg, params = model
+    ref = fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=3)
+    for bad in (2.5, float(ref[0][0]), True, "5", [5], -1, cfg.vocab_size):
+        with pytest.raises(ValueError, match=r"eos_id .* is not a token id \(an integer in \[0, 512\)\)"):
+            fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=3, eos_id=bad)
+    for eos in (np.int64(ref[0][0]), torch.tensor(ref[0][0])):       # numpy and 0-d torch integers still work
+        res = fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=3, eos_id=eos)
+        assert res[0] == [] and res.stats["stop"] == ["eos"]
+    for bad in (1.5, None, "1"):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=2, temperature=1.0, seed=bad)
+    kw = dict(cfg=cfg, max_new_tokens=3, temperature=1.0)
+    assert fd.generate(params, [[0, 1]], seed=np.int64(4), **kw) == fd.generate(params, [[0, 1]], seed=4, **kw)
