@@ -341,10 +341,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .params import load_params
     try:
+        tok = Tokenizer.from_file(str(ck / "tokenizer.json"))
+    except Exception as e:                       # the tokenizers library raises a bare Exception
+        return fail(f"{ck / 'tokenizer.json'}: cannot read it as a tokenizer ({e})")
+    try:
         params = load_params(ck, cfg)
     except (ValueError, OSError) as e:           # CheckpointError and unreadable files
         return fail(str(e))
-    tok = Tokenizer.from_file(str(ck / "tokenizer.json"))
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
     eos = tok.token_to_id("<｜end▁of▁sentence｜>")

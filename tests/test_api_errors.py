@@ -143,6 +143,17 @@ def test_cli_images(capsys, tmp_path):
     assert rc == 2 and "no vision tower (vision_n_layers = 0)" in err, err
 
 
+def test_cli_unreadable_tokenizer(capsys, tmp_path):
+    """A corrupt tokenizer.json was a traceback (a bare Exception from the tokenizers library, raised in load_params)."""
+    import shutil
+    src = fixture_dir("tiny-bf16")
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(src / f, tmp_path / f)
+    (tmp_path / "tokenizer.json").write_text("{")
+    rc, err = _cli(capsys, "--ckpt", str(tmp_path), "--prompt", "hi")
+    assert rc == 2 and err.startswith(f"error: {tmp_path / 'tokenizer.json'}: cannot read it as a tokenizer"), err
+
+
 def test_cli_speculative_needs_draft_stages(capsys, tmp_path):
     """The README's main job exports a model without DSpark stages: --speculative on it is an 'error:' line."""
     import json
