@@ -56,7 +56,7 @@ def _token_id(t, vocab_size: int) -> Optional[int]:
 
 def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Optional[int]):
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
-        prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        prompts = [prompts] if prompts.ndim <= 1 else list(prompts)     # 0-d: refused below, with a hint
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("generate: prompts must be a non-empty list of token-id sequences")
     out = []

@@ -212,3 +212,11 @@ def test_generate_eos_id_and_seed_must_be_integers(model):
             fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=2, temperature=1.0, seed=bad)
     kw = dict(cfg=cfg, max_new_tokens=3, temperature=1.0)
     assert fd.generate(params, [[0, 1]], seed=np.int64(4), **kw) == fd.generate(params, [[0, 1]], seed=4, **kw)
+
+
+def test_generate_refuses_a_0d_prompt(model):
+    """A 0-d tensor or array as prompts was 'TypeError: iteration over a 0-d tensor' from inside torch."""
+    cfg, params = model
+    for bad in (torch.tensor(5), np.array(5)):
+        with pytest.raises(ValueError, match=r"list of token-id lists.*prompt 0 is .*5.*\[ids\]"):
+            fd.generate(params, bad, cfg=cfg, max_new_tokens=1)
