@@ -158,17 +158,9 @@ def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[Decode
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"forward: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-    limit = state.max_seq_len if state is not None else cfg.max_seq_len
-    start = state.pos if state is not None else 0
-    if start + s > limit:
-        raise ValueError(f"forward: chunk of {s} tokens at position {start} runs past max_seq_len {limit}")
-    if state is not None:
-        if state.config_id != config_id(cfg):
-            raise ValueError("forward: the state was built for another config")
-        if state.batch_size != b:
-            raise ValueError(f"forward: the state holds {state.batch_size} rows, the batch has {b}")
-        if "positions" in batch:
-            raise ValueError("forward: packed 'positions' are for stateless (training) calls only")
+    if state is None and s > cfg.max_seq_len:
+        raise ValueError(f"forward: chunk of {s} tokens at position 0 runs past max_seq_len {cfg.max_seq_len}")
+    _check_state_fits(batch, cfg, state)
     emb = params.get("embed", {}).get("weight") if isinstance(params, dict) else None
     if emb is None or tuple(emb.shape) != (cfg.vocab_size, cfg.dim):
         got = None if emb is None else tuple(emb.shape)
@@ -181,6 +173,25 @@ def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[Decode
         if hc is None or tuple(hc.shape) != (cfg.n_hc_mix, cfg.hc_dim):
             raise ValueError(f"forward: params do not match the config at layers.{L}.hc_attn_fn: "
                              f"{None if hc is None else tuple(hc.shape)}, expected {(cfg.n_hc_mix, cfg.hc_dim)}")
+
+
+def _check_state_fits(batch: dict, cfg: Config, state: Optional[DecodeState]) -> None:
+    """The state against the chunk and the config: host-only, so run even with ``validate=False`` (the decode
+    loops' setting), where a state of another batch size failed deep inside torch and one of another config
+    (same shapes, e.g. another index_topk) ran silently."""
+    ids = batch["input_ids"]
+    if state is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return
+    b, s = ids.shape
+    if state.pos + s > state.max_seq_len:
+        raise ValueError(f"forward: chunk of {s} tokens at position {state.pos} runs past max_seq_len "
+                         f"{state.max_seq_len}")
+    if state.config_id != config_id(cfg):
+        raise ValueError("forward: the state was built for another config")
+    if state.batch_size != b:
+        raise ValueError(f"forward: the state holds {state.batch_size} rows, the batch has {b}")
+    if "positions" in batch:
+        raise ValueError("forward: packed 'positions' are for stateless (training) calls only")
 
 
 def make_chunk(batch: dict, start: int, device) -> Chunk:
@@ -235,6 +246,8 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     _check_batch(batch)
     if validate:
         _check_inputs(params, batch, cfg, state)
+    else:
+        _check_state_fits(batch, cfg, state)
     _check_token_types(batch, data=validate)
     ids = batch["input_ids"].long()
     b, s = ids.shape

@@ -127,3 +127,24 @@ def test_init_state_and_state_argument_refusals(model):
         _grow(params, cfg, out, torch.tensor([[4]]))
     with pytest.raises(TypeError, match="DecodeState"):
         fd.forward(params, {"input_ids": torch.tensor([[4]])}, cfg=cfg, state=out, validate=False)
+
+
+def test_state_checks_hold_under_validate_false(model):
+    """validate=False (the decode loops' setting) skips the data-dependent checks only: a state of another
+    config ran silently (same shapes, another index_topk), one of another batch size or past its max_seq_len
+    failed inside the layers (Engram's n-gram tail, a full compressed history)."""
+    cfg, params = model
+    st = fd.forward(params, {"input_ids": torch.tensor([[0, 5, 6], [0, 7, 8]])}, cfg=cfg,
+                    state=init_state(cfg, 2, 8)).state
+    for validate in (True, False):
+        with pytest.raises(ValueError, match="the state was built for another config"):
+            fd.forward(params, {"input_ids": torch.tensor([[4], [5]])}, cfg=cfg.replace(index_topk=2), state=st,
+                       validate=validate)
+        with pytest.raises(ValueError, match="the state holds 2 rows, the batch has 3"):
+            fd.forward(params, {"input_ids": torch.zeros(3, 1, dtype=torch.long)}, cfg=cfg, state=st,
+                       validate=validate)
+        with pytest.raises(ValueError, match="chunk of 6 tokens at position 3 runs past max_seq_len 8"):
+            fd.forward(params, {"input_ids": torch.zeros(2, 6, dtype=torch.long)}, cfg=cfg, state=st,
+                       validate=validate)
+    out = fd.forward(params, {"input_ids": torch.tensor([[4], [5]])}, cfg=cfg, state=st, validate=False)
+    assert out.state.pos == 4
