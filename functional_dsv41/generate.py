@@ -165,7 +165,11 @@ def _image_batch(prompts, images, token_types, n0, cfg, dev) -> dict:
         raise ValueError(f"generate: token_types has {len(token_types)} rows for {len(prompts)} prompts")
     rows = []
     for i, (p, t) in enumerate(zip(prompts, token_types)):
-        t = torch.as_tensor(t, dtype=torch.long)
+        t = torch.as_tensor(t)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:    # a cast truncated 0.5 to 0 silently
+            raise ValueError(f"generate: token_types row {i} must hold integers (-1 text, 0..3 image span), "
+                             f"got {t.dtype}")
+        t = t.long()
         if t.shape != (len(p),):
             raise ValueError(f"generate: token_types row {i} has shape {tuple(t.shape)}, its prompt {len(p)} tokens")
         if images is None and bool((t >= 0).any()):

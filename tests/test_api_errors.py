@@ -75,6 +75,20 @@ def test_image_spans_without_images_are_refused(model):
     fd.forward(params, {"input_ids": ids, "token_types": torch.full_like(tt, -1)}, cfg=cfg)
 
 
+def test_generate_token_types_must_be_integers(model):
+    """generate cast token_types to int64: a float row (0.5 where 0 was meant, or -1.0) was truncated silently, where
+    forward refuses float token_types."""
+    cfg, params = model
+    ids, tt = _span_batch(cfg)
+    for bad in (np.full((1, 6), -1.0), torch.full((1, 6), -1.0), [[-1.0, 0.5, 1.0, 2.0, 3.0, -1.0]], [[False] * 6]):
+        with pytest.raises(ValueError, match="token_types row 0 must hold integers"):
+            fd.generate(params, ids.tolist(), cfg=cfg, max_new_tokens=1, token_types=bad)
+    text = torch.full_like(tt, -1)                          # integer rows (list, numpy, torch) still work
+    ref = fd.generate(params, ids.tolist(), cfg=cfg, max_new_tokens=1)
+    for ok in (text.tolist(), text.numpy(), text, text.int()):
+        assert fd.generate(params, ids.tolist(), cfg=cfg, max_new_tokens=1, token_types=ok) == ref
+
+
 def test_token_types_must_be_an_integer_tensor(model):
     cfg, params = model
     ids = torch.tensor([[0, 5, 6]])
