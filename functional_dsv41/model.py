@@ -90,7 +90,8 @@ def _block_aux(p: dict, h: torch.Tensor, pre_in: torch.Tensor, **kw):
 
 def _check_state(state) -> None:
     """Checks that cost no device work, run even with ``validate=False``: a wrong object in ``state=``
-    (e.g. the ForwardOutput instead of its ``.state``) and a stale state (state.py, "Branching")."""
+    (e.g. the ForwardOutput instead of its ``.state``), a stale state (state.py, "Branching") and a state of
+    inference tensors outside ``torch.inference_mode()``."""
     if state is None:
         return
     if not isinstance(state, DecodeState):
@@ -98,6 +99,12 @@ def _check_state(state) -> None:
         raise TypeError(f"forward: state must be a DecodeState (fd.init_state) or None, got "
                         f"{type(state).__name__}{hint}")
     check_current(state, "forward")
+    if not torch.is_inference_mode_enabled() and any(
+            c.compress_kv is not None and c.compress_kv.is_inference() for c in state.layers):
+        # else torch's "Inplace update to inference tensor outside InferenceMode" from inside attention
+        raise ValueError("forward: this DecodeState was built under torch.inference_mode() and forward appends to "
+                         "its histories in place, which torch allows only inside inference_mode: run this forward "
+                         "under torch.inference_mode() too, or continue from fd.clone_state(state)")
 
 
 def _not_int_tensor(t) -> Optional[str]:

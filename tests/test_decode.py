@@ -148,3 +148,20 @@ def test_state_checks_hold_under_validate_false(model):
                        validate=validate)
     out = fd.forward(params, {"input_ids": torch.tensor([[4], [5]])}, cfg=cfg, state=st, validate=False)
     assert out.state.pos == 4
+
+
+def test_state_built_under_inference_mode(model):
+    """A state grown under torch.inference_mode() and continued outside it failed inside attention with torch's
+    'Inplace update to inference tensor outside InferenceMode'; it is refused up front, naming the two ways on,
+    and the state stays usable."""
+    cfg, params = model
+    with torch.inference_mode():
+        st = _grow(params, cfg, init_state(cfg, 2, 16), torch.tensor([[0, 5, 6], [0, 7, 8]])).state
+        ref = _grow(params, cfg, st, torch.tensor([[9], [10]])).logits
+    with pytest.raises(ValueError, match=r"built under torch\.inference_mode\(\).*fd\.clone_state"):
+        _grow(params, cfg, st, torch.tensor([[9], [10]]))
+    with pytest.raises(ValueError, match="inference_mode"):
+        fd.forward(params, {"input_ids": torch.tensor([[9], [10]])}, cfg=cfg, state=st, validate=False)
+    assert torch.equal(_grow(params, cfg, fd.clone_state(st), torch.tensor([[9], [10]])).logits, ref)
+    with torch.inference_mode():
+        assert torch.equal(_grow(params, cfg, st, torch.tensor([[9], [10]])).logits, ref)
