@@ -4,7 +4,8 @@ Batches of prompts of different lengths share ONE decode position (``DecodeState
 the reference generate.py does, the batch is right-padded, prefilled up to the SHORTEST prompt, then
 advanced one position per step; a row still inside its prompt takes its prompt token instead of the
 sample. Every row therefore sees exactly the tokens it would see alone, and (up to the rounding of
-batched GEMMs) gets the same tokens. Speculative decoding (``speculative=True``) advances by the
+batched GEMMs) gets the same tokens when greedy; sampled rows share one generator, so a row's samples
+depend on the other rows of its batch (the same batch and seed reproduce them). Speculative decoding (``speculative=True``) advances by the
 accepted length of a drafted block instead (functional_dsv41/speculative.py); prompt tokens inside
 the block are "drafts" accepted by fiat; the accepted length is the minimum over unfinished rows.
 
@@ -139,8 +140,9 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     kw = dict(mode=mode, impl=impl, dispatch=dispatch)
     t0 = time.perf_counter()
     run = _speculative if speculative else _plain
-    stats = run(params, cfg, state, tokens, in_prompt, lens, total, max_new_tokens, temperature, top_p,
-                eos_id, g, stream, kw, first)
+    with torch.no_grad():    # tokens are discrete: with params that require grad, no step's graph is kept
+        stats = run(params, cfg, state, tokens, in_prompt, lens, total, max_new_tokens, temperature, top_p,
+                    eos_id, g, stream, kw, first)
     res = GenerateResult()
     toks, n_out = tokens.tolist(), stats.pop("n_out").tolist()
     for i in range(b):

@@ -148,3 +148,18 @@ def test_cli(speculative):
     last = r.stdout.strip().splitlines()[-1]
     assert "5 tokens in" in last and "tokens/s" in last, r.stdout
     assert ("tokens per verify forward" in last) == speculative
+
+
+def test_generate_keeps_no_graph_for_params_that_require_grad():
+    """Tokens are discrete, so generate runs without autograd: params that require grad (a notebook's
+    training leaves) must not make every step save activations for a backward that never comes."""
+    cfg, params = random_model()
+    leaves = [t for t in torch.utils._pytree.tree_leaves(params)
+              if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)]
+    for t in leaves:
+        t.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        out = fd.generate(params, [[0, 4, 5]], cfg=cfg, max_new_tokens=3, speculative=False)
+    assert len(out[0]) == 3 and saved == []
+    assert any(t.requires_grad for t in leaves)
