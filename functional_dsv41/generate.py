@@ -272,7 +272,7 @@ def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T,
             _note(step_toks, last, em, stream)
         if stream is not None:
             stream(step_toks)
-        committed += n + 1
+        committed += n + 1 if new_pos < total else n                    # no room for the bonus at the length limit
         state, rr = rollback(params, d.state, v.state, chunk[:, :n + 1], cfg=cfg, forward_kw=kw)
         reruns += rr
         state = dspark_prefill(params, v.main_hidden[:, :n + 1], cfg=cfg, state=state, mode=kw["mode"],

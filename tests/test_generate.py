@@ -76,6 +76,17 @@ def test_speculative_random_init_accepts_and_is_identical():
         list(fd.generate(params, prompts, cfg=cfg, max_new_tokens=8))
 
 
+def test_speculative_stats_count_committed_tokens():
+    """tokens_per_forward * main_forwards = the tokens the verify steps committed (all but the first, which the
+    prefill samples). A last block accepted whole at the length limit has no room for its bonus token."""
+    cfg, params = random_model(peaked=True)
+    for prompt in ([0, 17, 33, 5, 250], [0, 99], [0, 5, 6, 7]):
+        for mx in range(1, 8):
+            st = fd.generate(params, [prompt], cfg=cfg, max_new_tokens=mx, speculative=True).stats
+            assert st["new_tokens"] == [mx]
+            assert st["tokens_per_forward"] * st["main_forwards"] == pytest.approx(mx - 1), (prompt, mx, st)
+
+
 def test_eos_stops_each_row(fixture_model):
     skip_off_golden_trajectory("tiny-bf16")
     cfg, params, g = fixture_model
