@@ -240,7 +240,7 @@ def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T,
     while q + 1 < total and not bool(done.all()):
         Be = min(B, total - 1 - q)                                     # block positions q+1 .. q+Be
         d = dspark_draft(params, last, mh_last, cfg=cfg, state=state, temperature=T, top_p=top_p, generator=g,
-                         mode=kw["mode"], impl=kw["impl"])
+                         mode=kw["mode"], impl=kw["impl"], dispatch=kw["dispatch"])
         forced = in_prompt[:, q + 1:q + 1 + Be]
         blk = torch.where(forced, tokens[:, q + 1:q + 1 + Be], d.out_ids[:, 1:1 + Be])
         chunk = torch.cat([last[:, None], blk], 1)

@@ -87,6 +87,22 @@ def test_speculative_stats_count_committed_tokens():
             assert st["tokens_per_forward"] * st["main_forwards"] == pytest.approx(mx - 1), (prompt, mx, st)
 
 
+def test_speculative_passes_dispatch_to_the_drafter(monkeypatch):
+    """dispatch="dense" (no host reads of expert counts) reaches the DSpark stages' MoE too."""
+    from functional_dsv41 import dspark
+    seen = []
+    real = dspark.moe
+
+    def spy(*a, dispatch="sorted", **kw):
+        seen.append(dispatch)
+        return real(*a, dispatch=dispatch, **kw)
+
+    monkeypatch.setattr(dspark, "moe", spy)
+    cfg, params = random_model()
+    fd.generate(params, [[0, 4, 5]], cfg=cfg, max_new_tokens=3, speculative=True, dispatch="dense")
+    assert seen and set(seen) == {"dense"}
+
+
 def test_eos_stops_each_row(fixture_model):
     skip_off_golden_trajectory("tiny-bf16")
     cfg, params, g = fixture_model
