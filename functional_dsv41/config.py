@@ -163,7 +163,7 @@ class Config:
         try:
             with open(path) as fh:
                 d = json.load(fh)
-        except json.JSONDecodeError as e:
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:   # not text (a .safetensors passed by mistake)
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")

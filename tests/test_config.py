@@ -226,6 +226,9 @@ def test_unknown_keys_and_bad_json(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="bad.json"):
         Config.from_json(tmp_path / "bad.json")
+    (tmp_path / "model.safetensors").write_bytes(b"\xf8\x00\x00\x00\x00\x00\x00\x00{")   # not text at all
+    with pytest.raises(ConfigError, match="model.safetensors: not valid JSON"):
+        Config.from_json(tmp_path / "model.safetensors")
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         Config.from_json(tmp_path / "list.json")
