@@ -284,10 +284,10 @@ class Config:
                             ("engram_head_dim", self.engram_head_dim)):
                 if v % _FP8_BLOCK:
                     bad(name.split("*")[0], f"{name} = {v} is not a multiple of the 32-wide fp8 block")
-        if self.expert_dtype == "fp4":
+        if self.expert_dtype in ("fp4", "fp8"):     # fp8 experts of a bf16 model: same 1x32 activation blocks
             for name, v in (("dim", self.dim), ("moe_inter_dim", self.moe_inter_dim)):
                 if v % _FP4_BLOCK:
-                    bad(name, f"{v} is not a multiple of the 32-wide fp4 expert block")
+                    bad(name, f"{v} is not a multiple of the 32-wide {self.expert_dtype} expert block")
 
         # per-layer compression roles (SPEC §0.1)
         nt = self.n_layers + self.n_mtp_layers

@@ -216,6 +216,8 @@ def test_fp4_block_refusal_only_for_fp4_experts():
     Config.tiny(moe_inter_dim=40)
     with pytest.raises(ConfigError, match="moe_inter_dim"):
         Config.tiny(moe_inter_dim=40, expert_dtype="fp4")
+    with pytest.raises(ConfigError, match="moe_inter_dim"):    # fp8 experts in a bf16 model: forward failed later
+        Config.tiny(moe_inter_dim=40, expert_dtype="fp8")
 
 
 def test_unknown_keys_and_bad_json(tmp_path):
