@@ -177,9 +177,20 @@ class Config:
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
 
     def to_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=4)
-            fh.write("\n")
+        """Write ``to_dict()`` as JSON through a temporary file and ``os.replace``: a write that fails (disk full)
+        leaves the previous file whole, never a torn config.json beside a good checkpoint."""
+        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(self.to_dict(), fh, indent=4)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            raise
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -1,6 +1,7 @@
 """fd.Config: fixture configs, JSON round trip, release values (SPEC §0), per-layer roles (§0.1), refusals."""
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -37,6 +38,23 @@ def test_json_round_trip(tmp_path, cfg):
     back = Config.from_json(tmp_path / "c.json")
     assert back == cfg and hash(back) == hash(cfg)
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_to_json_failure_keeps_the_previous_file(tmp_path, monkeypatch):
+    """A write that fails midway (disk full) left a torn config.json where a good one stood (train/run.py's export
+    rewrites config.json beside the checkpoint it just replaced atomically)."""
+    path = tmp_path / "config.json"
+    Config.tiny().to_json(path)
+    before = path.read_bytes()
+
+    def partial(obj, fh, **kw):
+        fh.write('{"vocab_size": 5')
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(json, "dump", partial)
+    with pytest.raises(OSError, match="simulated"):
+        Config.tiny(dtype="fp8").to_json(path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["config.json"]
 
 
 def test_flash_release_values():
