@@ -114,6 +114,31 @@ def test_export_then_load_params(tmp_path, preset, capsys, monkeypatch):
                                                             want[k].contiguous().view(torch.uint8)), k
 
 
+def test_failed_export_keeps_the_earlier_export_whole(tmp_path, monkeypatch, capsys):
+    """A resumed run re-exports into OUT/export; a write that failed midway (disk full) tore the earlier export's
+    tokenizer.json (copied in place) and config.json (written in place), so the folder no longer loaded."""
+    assert run.train(_rc(tmp_path, steps=1, ckpt_every=1, export=True))["status"] == "ok"
+    exp = tmp_path / "export"
+    before = {n: (exp / n).read_bytes() for n in os.listdir(exp)}
+    assert {"tokenizer.json", "config.json", "model.safetensors"} <= set(before)
+    import shutil
+
+    def torn_copy(src, dst, **kw):
+        with open(dst, "wb") as fh:
+            fh.write(b'{"version": "1.0", "trunc')
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(shutil, "copyfile", torn_copy)
+    r = run.train(_rc(tmp_path, steps=2, ckpt_every=1, export=True, resume=True))
+    assert r["status"] == "write_failed" and "simulated" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert sorted(os.listdir(exp)) == sorted(before)                 # no temporary file left either
+    assert (exp / "tokenizer.json").read_bytes() == before["tokenizer.json"]
+    assert (exp / "config.json").read_bytes() == before["config.json"]
+    cfg = fd.Config.from_json(str(exp / "config.json"))
+    assert "engram_token_map" in fd.load_params(str(exp), cfg)      # the folder still loads, token map included
+
+
 def test_cli_parsing():
     rc = run.parse_args(["--config", "tiny", "--steps=7", "--out", "x", "--resume", "--loss.indexer_kl=0.5",
                          "--qat=true", "--lr", "1e-3"])

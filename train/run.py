@@ -440,7 +440,14 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         try:
             fd.save_params(fd.unflatten_from_paths(flat), exp, cfg)
             cfg.to_json(os.path.join(exp, "config.json"))
-            shutil.copyfile(rc.tokenizer, os.path.join(exp, "tokenizer.json"))
+            # through a temporary name: a copy that fails midway must not tear a resumed run's earlier export
+            tmp = os.path.join(exp, f".tokenizer.json.tmp-{os.getpid()}")
+            try:
+                shutil.copyfile(rc.tokenizer, tmp)
+                os.replace(tmp, os.path.join(exp, "tokenizer.json"))
+            finally:
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
         except OSError as e:   # e.g. disk full: the trained state is in the last checkpoint, say so
             write_failed(f"the export to {exp}", e)
             return {**result, "status": "write_failed"}
