@@ -313,28 +313,61 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
     if x.is_meta or y.is_meta:
         row.note = "meta: structure only"
         return row
-    xf, yf = _as_float(x.detach().cpu(), sx), _as_float(y.detach().cpu(), sy)
-    if xf is None or yf is None:
-        if x.dtype == y.dtype:
-            nbad = int((x.detach().cpu().contiguous().view(torch.uint8) !=
-                        y.detach().cpu().contiguous().view(torch.uint8)).sum())
-            row.note = "bytewise" + (f": {nbad} bytes differ" if nbad else "")
-            if nbad and atol is not None:
-                row.status = "value"
+    maxes, xy, xx, yy, nbad, bytewise = [], 0.0, 0.0, 0.0, 0, False
+    for xc, yc, sxc, syc in _chunks(x.detach().cpu(), y.detach().cpu(), sx, sy):
+        xf, yf = _as_float(xc, sxc), _as_float(yc, syc)
+        if xf is None or yf is None:
+            if x.dtype != y.dtype:
+                return row
+            nbad += int((xc.contiguous().view(torch.uint8) != yc.contiguous().view(torch.uint8)).sum())
+            bytewise = True
+            continue
+        if xf.shape != yf.shape:
+            row.status = "shape"
+            return row
+        d = (xf - yf).abs()                     # equal values (also equal infinities) and NaN against NaN: 0
+        d = torch.where((xf == yf) | (torch.isnan(xf) & torch.isnan(yf)), torch.zeros_like(d), d)
+        if _is_int(x) and _is_int(y):           # exactly: float64 would merge integers above 2^53 (and an int64
+            ne = xc != yc if xc.dtype == yc.dtype else xc.long() != yc.long()   # difference can overflow): any
+            d = torch.where(ne, d.clamp_min(1.0), torch.zeros_like(d))          # differing pair >= 1
+        if d.numel():
+            maxes.append(d.max())
+        xv, yv = xf.flatten(), yf.flatten()
+        xy, xx, yy = xy + float((xv * yv).sum()), xx + float((xv * xv).sum()), yy + float((yv * yv).sum())
+    if bytewise:
+        row.note = "bytewise" + (f": {nbad} bytes differ" if nbad else "")
+        if nbad and atol is not None:
+            row.status = "value"
         return row
-    if xf.shape != yf.shape:
-        row.status = "shape"
-        return row
-    d = (xf - yf).abs()                         # equal values (also equal infinities) and NaN against NaN: 0
-    d = torch.where((xf == yf) | (torch.isnan(xf) & torch.isnan(yf)), torch.zeros_like(d), d)
-    if _is_int(x) and _is_int(y):               # exactly: float64 would merge integers above 2^53 (and an int64
-        xi, yi = x.detach().cpu(), y.detach().cpu()             # difference can overflow): any differing pair >= 1
-        ne = xi != yi if xi.dtype == yi.dtype else xi.long() != yi.long()
-        d = torch.where(ne, d.clamp_min(1.0), torch.zeros_like(d))
-    row.max_abs = float(d.max()) if d.numel() else 0.0
-    xv, yv = xf.flatten(), yf.flatten()
-    den = float((xv * xv).sum() + (yv * yv).sum())
-    row.cos_diff = 0.0 if den == 0 else float(1 - 2 * (xv * yv).sum() / den)
+    row.max_abs = float(torch.stack(maxes).max()) if maxes else 0.0    # torch's max: a NaN chunk stays NaN
+    den = xx + yy
+    row.cos_diff = 0.0 if den == 0 else 1 - 2 * xy / den
     if row.status == "ok" and atol is not None and not row.max_abs <= atol:
         row.status = "value"
     return row
+
+
+_CHUNK = 1 << 22    # elements decoded at a time: a release Engram table (98e9 fp8 values) in float64 is ~800 GB
+
+
+def _chunks(x, y, sx, sy):
+    """(x, y, sx, sy) in pieces of about ``_CHUNK`` elements along dim 0, each with its rows of the scales (1x32
+    rows / fp4: the same rows; 32x32 blocks: whole 32-row blocks); small tensors in one piece. Keeps the float64
+    copies that :func:`_diff_leaf` makes bounded, whatever the tensor's size."""
+    n = x.shape[0] if x.dim() >= 2 and x.shape[0] == y.shape[0] else 0     # 1-D: packed fp4 vs float differ
+    if x.numel() <= _CHUNK or n < 2:
+        yield x, y, sx, sy
+        return
+    step = max(32, _CHUNK // (x.numel() // n) // 32 * 32)
+
+    def rows(s, t, i, j):
+        if not isinstance(s, torch.Tensor) or s.dim() == 0:
+            return s
+        if s.shape[0] == t.shape[0]:
+            return s[i:j]
+        if s.shape[0] == -(-t.shape[0] // 32):
+            return s[i // 32: -(-j // 32)]
+        return s
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        yield x[i:j], y[i:j], rows(sx, x, i, j), rows(sy, y, i, j)

@@ -141,6 +141,37 @@ def test_tree_diff_quantized_by_value():
     assert not fd.tree_diff({"s": s}, {"s": s2.view(quant.E8M0)}, atol=1.0).ok
 
 
+def test_tree_diff_decodes_large_tensors_in_pieces(monkeypatch):
+    """Diffing against the release decoded each tensor whole to float64 (and made several more copies): a release
+    Engram table (384M x 256 fp8) needs ~800 GB that way. Every decode now sees a bounded piece, and the figures
+    are those of the whole tensor (fp8 32x32 blocks cut at whole blocks, fp4 / fp8 rows at their rows)."""
+    g = torch.Generator().manual_seed(0)
+    seen, real_rows = [], quant.dequant_fp8_rows
+    for name in ("dequant_fp8_block", "dequant_fp4", "dequant_fp8_rows"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda q, s, dt=torch.bfloat16, real=real: seen.append(q.numel()) or real(q, s, dt))
+    table = torch.randn(1 << 18, 64, generator=g)                                  # 16M values, 16 MB in fp8
+    q, s = quant.quant_fp8_rows(table)
+    q2 = q.clone()
+    q2.view(torch.uint8)[200_000, 5] ^= 3
+    d = fd.tree_diff({"t": {"weight": q, "scale": s}}, {"t": {"weight": q2, "scale": s}}, atol=0)
+    assert max(seen) <= table.numel() // 4, max(seen)
+    row = {r.path: r for r in d.rows}["t.weight"]
+    want = (real_rows(q, s, torch.float64) - real_rows(q2, s, torch.float64)).abs().max()
+    assert row.status == "value" and row.max_abs == float(want) > 0
+    # figures of pieces = figures of the whole, for each storage format against float masters
+    for w, qz, dq in ((torch.randn(4100, 1100, generator=g), quant.quant_fp8_block, quant.dequant_fp8_block),
+                      (torch.randn(5000, 2048, generator=g), quant.quant_fp4, quant.dequant_fp4),
+                      (torch.randn(70_000, 96, generator=g), quant.quant_fp8_rows, quant.dequant_fp8_rows)):
+        qw, sw = qz(w)
+        x, y = dq(qw, sw, torch.float64).flatten(), w.double().flatten()
+        seen.clear()
+        row = fd.tree_diff({"w": {"weight": qw, "scale": sw}}, {"w": {"weight": w}}).rows[-1]
+        assert row.path == "w.weight" and len(seen) > 1, (qz, seen)
+        assert row.max_abs == float((x - y).abs().max())
+        assert row.cos_diff == pytest.approx(float(1 - 2 * (x * y).sum() / ((x * x).sum() + (y * y).sum())), rel=1e-9)
+
+
 def test_tree_diff_exact_values_infinities_integers_numpy_and_containers():
     import numpy as np
     t = torch.tensor([1.0, float("inf"), -float("inf"), float("nan")])
