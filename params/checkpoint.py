@@ -230,6 +230,22 @@ def _fp8_wo_a(where: dict, files: dict, cfg: Config) -> set[str]:
     return out
 
 
+def _int8_fp4(where: dict, files: dict) -> set[str]:
+    """Routed-expert weights stored as I8 / U8 bytes ``[N, K/2]`` beside an e8m0 ``scale`` ``[N, K/32]``: packed fp4
+    under an integer dtype, as the Hugging Face release stores them (SPEC §9). Their bytes are the fp4 pairs of our
+    layout, so they are viewed as float4_e2m1fn_x2 on load (nothing is converted)."""
+    out = set()
+    for name in where:
+        if ".ffn.experts." in name and name.endswith(".weight"):
+            w, s = files[where[name]].header[name], name[: -len("weight")] + "scale"
+            if w["dtype"] in ("I8", "U8") and len(w["shape"]) == 2 and s in where:
+                h = files[where[s]].header[s]
+                if h["dtype"] == "F8_E8M0" and (2 * w["shape"][1]) % 32 == 0 \
+                        and h["shape"] == [w["shape"][0], 2 * w["shape"][1] // 32]:
+                    out.add(name)
+    return out
+
+
 def _check_wo_a_scales(fp8_wo_a: set, where: dict, files: dict) -> None:
     """The fp8 ``wo_a``'s scale must be what ``quant.dequant_fp8_block`` reads: e8m0, one per 32 x 32 block."""
     problems = []
@@ -256,7 +272,8 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     Engram tables (``layers.L.engram.embed.weight/scale``) stay views of the mapped file (read-only
     use; writes are copy-on-write and never reach the file).
     ``attn.wo_a`` stored as fp8 + ``scale`` (the Hugging Face release) is dequantised to bf16 on load,
-    as the release's convert.py does; the returned tree has the released bf16 ``wo_a``.
+    as the release's convert.py does; the returned tree has the released bf16 ``wo_a``. Routed-expert weights stored
+    as I8 / U8 packed bytes (with their e8m0 ``[N, K/32]`` scale) are read as the packed fp4 they hold.
     If ``cfg`` has Engram layers and ``tokenizer`` (a tokenizer.json path) is given or the folder
     holds ``tokenizer.json``, ``params["engram_token_map"]`` (int64 ``[vocab]``, SPEC §6.1) is built
     with ``functional_dsv41.engram.build_token_map`` and checked against ``cfg.engram_compressed_vocab_size``; a
@@ -270,6 +287,7 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
             raise CheckpointError(f"{path}: index lists {name} in {p.name}, which does not hold it")
     fp8_wo_a = _fp8_wo_a(where, files, cfg)
     _check_wo_a_scales(fp8_wo_a, where, files)
+    int8_fp4 = _int8_fp4(where, files)
     if strict:
         found = {}
         for name, p in where.items():
@@ -282,6 +300,8 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
         for pre in fp8_wo_a:                     # checked as the bf16 tensor it becomes
             found[pre + ".weight"] = (found[pre + ".weight"][0], torch.bfloat16)
             del found[pre + ".scale"]
+        for name in int8_fp4:                    # and as the packed fp4 it is
+            found[name] = (found[name][0], torch.float4_e2m1fn_x2)
         _check(spec_entries(cfg), found, f"checkpoint {path}")
         order = [e.name for e in spec_entries(cfg)]
     else:
@@ -292,6 +312,8 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
         pre = name[: -len(".weight")]
         if pre in fp8_wo_a:
             t = quant.dequant_fp8_block(t, files[where[pre + ".scale"]].tensor(pre + ".scale"), torch.bfloat16)
+        elif name in int8_fp4:
+            t = t.view(torch.float4_e2m1fn_x2)
         flat[name] = t if (mmap_engram and _is_engram_table(name)) else t.clone()
     params = unflatten_from_paths(flat)
     del flat

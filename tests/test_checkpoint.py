@@ -221,6 +221,34 @@ def test_hf_layout_fp8_wo_a_is_dequantised_on_load(tmp_path):
                        flat["layers.3.attn.wq_a.weight"].view(torch.uint8))
 
 
+@pytest.mark.parametrize("int_dtype", [torch.int8, torch.uint8])
+def test_hf_layout_int8_packed_fp4_experts_load_as_fp4(tmp_path, int_dtype):
+    """The Hugging Face release stores the packed fp4 routed experts under an integer dtype (I8 bytes [N, K/2] beside
+    the e8m0 [N, K/32] scale, SPEC §9): strict loading refused every one of them as 'wrong dtype'. They load as the
+    same bytes in float4_e2m1fn_x2, and save back in the released F4 layout."""
+    from safetensors.torch import load_file, save_file
+
+    d = fixture_dir("tiny-fp8")
+    cfg = fd.Config.from_json(d / "config.json")
+    flat = load_file(str(d / "model.safetensors"))
+    hf = {k: (v.view(int_dtype) if v.dtype == torch.float4_e2m1fn_x2 else v) for k, v in flat.items()}
+    assert sum(v.dtype == int_dtype for v in hf.values()) == sum(".experts." in k and k.endswith(".weight")
+                                                                 for k in flat) > 0
+    (tmp_path / "hf").mkdir()
+    save_file(hf, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    got = fd.load_params(tmp_path / "hf", cfg, tokenizer=d / "tokenizer.json")
+    want = fd.load_params(d, cfg)
+    assert fd.tree_diff(want, got, atol=0).ok
+    g, w = fd.flatten_with_paths(got), fd.flatten_with_paths(want)
+    assert all(g[k].dtype == w[k].dtype and torch.equal(g[k].view(torch.uint8), w[k].view(torch.uint8))
+               for k in w if k != "engram_token_map")
+    fd.save_params(got, tmp_path / "out", cfg)
+    a, b = _raw(d / "model.safetensors")[0], _raw(tmp_path / "out" / "model.safetensors")[0]
+    assert a == b
+    loose = fd.flatten_with_paths(fd.load_params(tmp_path / "hf", cfg, strict=False))
+    assert loose["layers.0.ffn.experts.0.w1.weight"].dtype == torch.float4_e2m1fn_x2
+
+
 @pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5])
 def test_interrupted_commit_leaves_one_whole_checkpoint(tmp_path, monkeypatch, crash_at):
     """A save that dies while its files are moved into place (the n-th os.replace of the commit) leaves the
