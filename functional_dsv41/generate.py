@@ -15,6 +15,9 @@ BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row st
 
     .venv/bin/python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
         [--temperature T] [--top-p P] [--speculative] [--seed S] [--image FILE ...] [--no-bos]
+
+``--temperature`` defaults to config.json's ``temperature`` (1.0 where the file has none, the reference
+generate.py's default; the fixtures' and train/run.py's exports say 0.0, greedy).
 """
 from __future__ import annotations
 
@@ -297,7 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ckpt", required=True, help="folder with config.json, *.safetensors, tokenizer.json")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy; default: config.json's temperature, else 1.0 (the reference generate.py's)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", action="store_true", help="DSpark draft + one verify forward per step")
@@ -314,7 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
+    if args.temperature is not None and (not math.isfinite(args.temperature) or args.temperature < 0):
         return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
@@ -328,6 +332,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = Config.from_json(ck / "config.json")
     except ValueError as e:                      # ConfigError
         return fail(str(e))
+    temperature = cfg.temperature if args.temperature is None else args.temperature
     if args.speculative and cfg.n_mtp_layers < 1:
         return fail(f"--speculative needs DSpark draft stages, and {ck}'s config has none (n_mtp_layers = 0; "
                     f"train/run.py's tiny preset trains none: use --config tiny-dspark)")
@@ -386,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shown[0] = text
 
     sys.stdout.write(args.prompt)
-    res = generate(params, [ids], cfg=cfg, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    res = generate(params, [ids], cfg=cfg, max_new_tokens=args.max_new_tokens, temperature=temperature,
                    top_p=args.top_p, eos_id=eos, seed=args.seed, speculative=args.speculative,
                    max_seq_len=len(ids) + args.max_new_tokens, stream=stream, images=images,
                    token_types=token_types)

@@ -190,3 +190,35 @@ def test_generate_keeps_no_graph_for_params_that_require_grad():
         out = fd.generate(params, [[0, 4, 5]], cfg=cfg, max_new_tokens=3, speculative=False)
     assert len(out[0]) == 3 and saved == []
     assert any(t.requires_grad for t in leaves)
+
+
+@pytest.mark.parametrize("config_temp,argv,expected", [
+    (None, [], 1.0),                         # absent from config.json: the reference generate.py's default
+    (0.7, [], 0.7),                          # config.json's value
+    (0.7, ["--temperature", "0"], 0.0),      # the flag wins
+])
+def test_cli_temperature_defaults_to_the_config(tmp_path, monkeypatch, config_temp, argv, expected):
+    import importlib
+    import json
+    gm = importlib.import_module("functional_dsv41.generate")
+    src = fixture_dir("tiny-bf16")
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    conf = json.loads((src / "config.json").read_text())
+    conf.pop("temperature", None)
+    if config_temp is not None:
+        conf["temperature"] = config_temp
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        raise Stop
+    monkeypatch.setattr(gm, "generate", spy)
+    with pytest.raises(Stop):
+        gm.main(["--ckpt", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "2", *argv])
+    assert seen["temperature"] == expected
