@@ -30,6 +30,26 @@ def _load(name):
     return cfg, fd.load_params(d, cfg), golden(name)
 
 
+def _check_stage_tensors(dbg, g, k, bound, worst):
+    """The draft's per-stage debug tensors of decode step k against the golden ones: index and expert
+    choices exact, the rest within cosine ``bound`` (the worst kept in ``worst["cos"]``)."""
+    checked = 0
+    for key, v in dbg.items():
+        gk = f"decode.{k}.spec.{key}"
+        if gk not in g:
+            continue
+        checked += 1
+        ref = g[gk]
+        got = v.reshape(ref.shape).to(ref.dtype)
+        if key.rsplit(".", 1)[1] in INT_KEYS:
+            assert torch.equal(got, ref), gk
+        else:
+            c = cosine_diff(got.float(), ref.float())
+            worst["cos"] = max(worst["cos"], c)
+            assert c < bound, (gk, c)
+    assert checked > 10, f"step {k}: only {checked} debug tensors matched golden names"
+
+
 @pytest.mark.parametrize("name", ["tiny-bf16", "tiny-fp8"])
 def test_dspark_golden(name):
     skip_off_golden_trajectory(name)
@@ -49,18 +69,7 @@ def test_dspark_golden(name):
         d = dspark.dspark_draft(params, g[f"decode.{k}.out_ids"], g[f"decode.{k}.main_hidden"], cfg=cfg,
                                 state=o.state, debug=dbg)
         st = d.state
-        for key, v in dbg.items():
-            gk = f"decode.{k}.spec.{key}"
-            if gk not in g:
-                continue
-            ref = g[gk]
-            got = v.reshape(ref.shape).to(ref.dtype)
-            if key.rsplit(".", 1)[1] in INT_KEYS:
-                assert torch.equal(got, ref), gk
-            else:
-                c = cosine_diff(got.float(), ref.float())
-                worst["cos"] = max(worst["cos"], c)
-                assert c < 1e-6, (gk, c)
+        _check_stage_tensors(dbg, g, k, 1e-6, worst)
         assert torch.equal(d.out_ids, g[f"decode.{k}.spec.out_ids"]), k
         ref = g[f"decode.{k}.spec.logits"]
         err = float((d.logits - ref).abs().max())
@@ -92,21 +101,7 @@ def test_dspark_golden_teacher_forced(name):
         d = dspark.dspark_draft(params, g[f"decode.{k}.out_ids"], g[f"decode.{k}.main_hidden"], cfg=cfg,
                                 state=st.replace(pos=P + k + 1), debug=dbg)
         st = d.state
-        checked = 0
-        for key, v in dbg.items():
-            gk = f"decode.{k}.spec.{key}"
-            if gk not in g:
-                continue
-            checked += 1
-            ref = g[gk]
-            got = v.reshape(ref.shape).to(ref.dtype)
-            if key.rsplit(".", 1)[1] in INT_KEYS:
-                assert torch.equal(got, ref), gk
-            else:
-                c = cosine_diff(got.float(), ref.float())
-                worst["cos"] = max(worst["cos"], c)
-                assert c < bound, (gk, c)
-        assert checked > 10, f"step {k}: only {checked} debug tensors matched golden names"
+        _check_stage_tensors(dbg, g, k, bound, worst)
         assert torch.equal(d.out_ids, g[f"decode.{k}.spec.out_ids"]), k
         ref = g[f"decode.{k}.spec.logits"]
         err = float((d.logits - ref).abs().max()) / float(ref.abs().max())
