@@ -259,6 +259,13 @@ def _check_wo_a_scales(fp8_wo_a: set, where: dict, files: dict) -> None:
         raise CheckpointError("fp8 attn.wo_a scales that cannot be dequantised:", problems)
 
 
+def _need_config(cfg, fn: str) -> None:
+    """A path or a dict where the Config goes failed deep inside the spec walk with an AttributeError."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{fn}: cfg must be a functional_dsv41.Config (e.g. fd.Config.from_json(folder / "
+                        f"'config.json')), got {type(cfg).__name__} {cfg!r:.80}")
+
+
 def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = False,
                 tokenizer=None):
     """Read a released-layout checkpoint into the params tree of ``cfg`` (storage dtypes kept).
@@ -279,6 +286,7 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     with ``functional_dsv41.engram.build_token_map`` and checked against ``cfg.engram_compressed_vocab_size``; a
     ``tokenizer`` path that does not exist is an error.
     """
+    _need_config(cfg, "load_params")
     path = Path(path)
     where = _resolve(path)
     files = {p: _File(p) for p in sorted(set(where.values()))}
@@ -394,6 +402,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     files in ``path``, fsync, ``os.replace`` into place, index last; files of a previous checkpoint
     in that folder that the new one does not use are removed after the switch.
     """
+    _need_config(cfg, "save_params")
     path = Path(path)
     flat = {k: v for k, v in flatten_with_paths(params).items() if k != TOKEN_MAP}
     entries = spec_entries(cfg)

@@ -407,3 +407,13 @@ def test_token_map_checked(tmp_path):
     bad = cfg.replace(engram_compressed_vocab_size=cfg.engram_compressed_vocab_size - 1)
     with pytest.raises(ValueError, match="compressed classes"):
         fd.load_params(d, bad)
+
+
+def test_load_and_save_need_a_config(tmp_path):
+    d = fixture_dir("tiny-bf16")
+    for bad in (str(d / "config.json"), {"dim": 8}):
+        with pytest.raises(TypeError, match=r"load_params: cfg must be a functional_dsv41.Config"):
+            fd.load_params(d, bad)
+        with pytest.raises(TypeError, match=r"save_params: cfg must be a functional_dsv41.Config"):
+            fd.save_params({}, tmp_path / "out", bad)
+    assert not (tmp_path / "out").exists()
