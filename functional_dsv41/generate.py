@@ -324,7 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
     for f in args.image:
         if not Path(f).is_file():
-            return fail(f"--image {f}: no such file")
+            return fail(f"--image {f}: " + ("a directory, not an image file" if Path(f).is_dir() else "no such file"))
     ck = Path(args.ckpt)
     if not (ck / "config.json").is_file() or not (ck / "tokenizer.json").is_file():
         return fail(f"{ck} needs config.json and tokenizer.json")

@@ -149,6 +149,8 @@ def test_cli_bad_arguments(capsys, args, msg):
 
 
 def test_cli_images(capsys, tmp_path):
+    rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-vl")), "--prompt", "hi", "--image", str(tmp_path))
+    assert rc == 2 and err.startswith(f"error: --image {tmp_path}: a directory, not an image file"), err
     junk = tmp_path / "notes.txt"
     junk.write_text("not an image")
     rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-vl")), "--prompt", "hi", "--image", str(junk))
