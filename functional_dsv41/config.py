@@ -13,6 +13,7 @@ n_mtp_layers - 1`` (checkpoint namespace ``mtp.{s}``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,6 +33,22 @@ class ConfigError(ValueError):
 
 def _release_ratios() -> tuple[int, ...]:
     return (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
+    the new one, never a torn one (``Config.to_json`` and train/run.py's record files)."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 @dataclass(frozen=True)
@@ -177,20 +194,9 @@ class Config:
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Write ``to_dict()`` as JSON through a temporary file and ``os.replace``: a write that fails (disk full)
-        leaves the previous file whole, never a torn config.json beside a good checkpoint."""
-        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w") as fh:
-                json.dump(self.to_dict(), fh, indent=4)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-            raise
+        """Write ``to_dict()`` as JSON through :func:`write_atomic`: a write that fails (disk full) leaves the
+        previous file whole, never a torn config.json beside a good checkpoint."""
+        write_atomic(path, json.dumps(self.to_dict(), indent=4) + "\n")
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import functional_dsv41 as fd
+from functional_dsv41.config import write_atomic
 from functional_dsv41.train import checkpoint as C
 from functional_dsv41.train import resume, run, step as S
 
@@ -235,9 +236,9 @@ def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
 
     def fail(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(resume.os, "replace", fail)
+    monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
-        resume.write_atomic(str(p), '{"step": 1}\n')
+        write_atomic(str(p), '{"step": 1}\n')
     assert p.read_text() == '{"step": 1}\n{"step": 2}\n' and os.listdir(tmp_path) == ["metrics.jsonl"]
 
 

@@ -4,11 +4,10 @@ Every checkpoint's ``extra`` holds ``run_record``: the model config and the sett
 or the optimisation (``RESUME_FIXED``, the corpus and tokenizer contents, the length of the lr schedule); a
 resume whose record differs is refused up front, naming what changed (``check_resume``). The run's
 ``metrics.jsonl`` is carried across resumes by ``trim_metrics`` (the lines up to the checkpoint's step) and
-rewritten, like the run's record files, through ``write_atomic``.
+rewritten, like the run's record files, through ``functional_dsv41.config.write_atomic``.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -108,19 +107,3 @@ def trim_metrics(path: str, upto: int) -> str:
         if step <= upto:
             keep.append(ln + "\n")
     return "".join(keep)
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
-    the new one, never a torn one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise

@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # `python train/run.py` from a checkout
 import torch
 
 import functional_dsv41 as fd
+from functional_dsv41.config import write_atomic
 from functional_dsv41.train import checkpoint as ckpt_mod
 from functional_dsv41.train import data as data_mod
 from functional_dsv41.train import optim, resume, step as step_mod
@@ -318,13 +319,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
             shutil.rmtree(ckpt_dir)
         if earlier_export:       # --overwrite: the replaced run's model must not pass for this run's
             shutil.rmtree(exp_dir)
-        resume.write_atomic(os.path.join(rc.out, "config.json"), json.dumps(cfg.to_dict(), indent=4) + "\n")
-        resume.write_atomic(os.path.join(rc.out, "run_config.json"), json.dumps(dataclasses.asdict(rc), indent=2))
-        resume.write_atomic(metrics_path, "")
+        cfg.to_json(os.path.join(rc.out, "config.json"))
+        write_atomic(os.path.join(rc.out, "run_config.json"), json.dumps(dataclasses.asdict(rc), indent=2))
+        write_atomic(metrics_path, "")
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(rc.out, "resumes.jsonl"))   # a stale one of the run this replaces
     else:
-        resume.write_atomic(metrics_path, metrics_kept)
+        write_atomic(metrics_path, metrics_kept)
         with open(os.path.join(rc.out, "resumes.jsonl"), "a") as fh:
             fh.write(json.dumps({"from_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                  "run_config": dataclasses.asdict(rc)}) + "\n")
