@@ -167,7 +167,6 @@ def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[Decode
         raise ValueError(f"forward: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
     if state is None and s > cfg.max_seq_len:
         raise ValueError(f"forward: chunk of {s} tokens at position 0 runs past max_seq_len {cfg.max_seq_len}")
-    _check_state_fits(batch, cfg, state)
     emb = params.get("embed", {}).get("weight") if isinstance(params, dict) else None
     if emb is None or tuple(emb.shape) != (cfg.vocab_size, cfg.dim):
         got = None if emb is None else tuple(emb.shape)
@@ -253,8 +252,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     _check_batch(batch)
     if validate:
         _check_inputs(params, batch, cfg, state)
-    else:
-        _check_state_fits(batch, cfg, state)
+    _check_state_fits(batch, cfg, state)
     _check_token_types(batch, data=validate)
     ids = batch["input_ids"].long()
     b, s = ids.shape
