@@ -319,3 +319,55 @@ def _attention_bwd_split(results, args, q, kv, sink, idx, o, lse, do, scale, fl_
                            bench(lambda: sa._bwd(q, kv, sink, idx, o, lse, do, scale, bwd_impl="split")), fl_b, by_b))
     except Exception as e:
         print(f"  _bwd split: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+CL_DIAGS = ("noxchg", "compute", "compute+noxchg")
+
+
+def attention_cl(results, args):
+    """The 2-CTA D-split forward (``sparse_attn_cl_tl.fwd_kernel_cl``, two queries an SM) against the default
+    persistent ping-pong forward, interleaved in one process (rows of one call compare), each with its distance
+    to the lock-step output; then both over 2560 random slots a query (a query's start and end amortised)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    from functional_dsv41.kernels.tilelang import sparse_attn_cl_tl as cl
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D = q.shape[2], q.shape[3]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    ip = sa._pad_idx(idx, 128)
+    o_ref, lse_ref = sa._fwd(q, kv, sink, idx, scale, impl="lockstep")
+
+    def one(name, kf, ii, f_=fl, b_=by_f, check=True):
+        try:
+            o, lse = kf(q, kv, sink, ii)
+            note = (f"vs lock-step: o max abs {(o.float() - o_ref.float()).abs().max():.2e}, "
+                    f"lse {(lse - lse_ref).abs().max():.2e}") if check else ""
+            results.append(row(name, bench(lambda: kf(q, kv, sink, ii)), f_, b_, note))
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+    for rnd in range(3):
+        one(f"  pp ctas={sms} (round {rnd + 1})", pp.fwd_kernel_pp(H, D, ip.shape[-1], scale, ctas=sms), ip)
+        one(f"  cl ctas={sms} (round {rnd + 1})", cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms), ip)
+    for diag in CL_DIAGS:                          # ablations (wrong outputs: timing only)
+        one(f"  cl ctas={sms} diag={diag}", cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms, diag=diag), ip,
+            check=False)
+    try:                                           # the trace: per-block stamps of rank 0's consumers
+        _, st = cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms, diag="trace")(q, kv, sink, ip)
+        NI = ip.shape[-1] // 64
+        st = st[0, :, :4 * NI + 1].double()
+        rel = st - st[:, :1]                       # from the query's first stage-ready stamp
+        med = rel.median(0).values.tolist()
+        print("  cl trace (rank 0, median over queries, cycles from block 0's stage ready): per block "
+              "ready/qk/xchg/pv: " + "; ".join(f"{j}: " + "/".join(f"{med[4 * j + x]:.0f}" for x in range(4))
+                                              for j in range(NI)) + f"; epilogue done {med[4 * NI]:.0f}", flush=True)
+    except Exception as e:
+        print(f"  cl trace: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, M, N = q.shape[0], q.shape[1], kv.shape[1]
+    T_ = 2560
+    ir = torch.randint(0, N, (B, M, T_), device="cuda", generator=g, dtype=torch.int32)
+    f_ = 2 * B * M * H * T_ * 2 * D
+    b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
+    one(f"  cl ctas={sms}, {T_} random slots a query", cl.fwd_kernel_cl(H, D, T_, scale, sms), ir, f_, b_, False)

@@ -441,3 +441,40 @@ def test_sparse_attn_fwd_pp_option_errors():
     with pytest.raises(ValueError, match="lazy"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, lazy=40.0)
     assert pp.pp_fits(64, 512, 640) and not pp.pp_fits(64, 512, 576) and not pp.pp_fits(16, 128, 640)
+
+
+CL_SHAPES = PP_SHAPES + [(3, 37, 64, 256, 333, 64)]      # + one block a query (the epilogue right after the first)
+
+
+@pytest.mark.parametrize("ctas", [4, 132])
+@pytest.mark.parametrize("shape", CL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_cl(shape, ctas):
+    """fwd_kernel_cl (2-CTA clusters splitting D, two queries an SM) against the reference with pp's hole patterns
+    (a whole block of holes: a row's max stays where it was; a leading run: the max from -1e30). 4 CTAs: two
+    clusters, each slot running through many queries (the barrier phases and the Q / stage reuse across queries);
+    132 outnumber the first shape's 128 queries (idle slots). Repeated launches give the same bits (no race between
+    the roles or across the cluster), and the D halves' sums agree bit for bit across the cluster (LSE from rank 0
+    only, O from both: a disagreement would show as a mismatch against the reference)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang.sparse_attn_cl_tl import fwd_kernel_cl
+    B, M, H, D, N, T = shape
+    q, kv, sink, idx = _pp_inputs(shape)
+    scale = D ** -0.5
+    o, lse = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, f"cl ctas={ctas}")
+    for _ in range(3):
+        o2, lse2 = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
+def test_sparse_attn_fwd_cl_errors():
+    """fwd_kernel_cl refuses what it cannot run: an odd grid (clusters of two), H != 64, T not a multiple of 64."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang.sparse_attn_cl_tl import cl_fits, fwd_kernel_cl
+    with pytest.raises(ValueError, match="even"):
+        fwd_kernel_cl(64, 512, 640, 0.04, 131)
+    with pytest.raises(ValueError, match="H and BI"):
+        fwd_kernel_cl(32, 512, 640, 0.04, 132)
+    with pytest.raises(ValueError, match="multiple of BI"):
+        fwd_kernel_cl(64, 512, 600, 0.04, 132)
+    assert cl_fits(64, 512, 640) and not cl_fits(64, 512, 600) and not cl_fits(32, 512, 640)

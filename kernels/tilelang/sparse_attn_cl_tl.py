@@ -1,0 +1,303 @@
+"""Sparse attention forward (SPEC §10.5) on 2-CTA clusters that split D: ``fwd_kernel_cl``, H = 64.
+
+Same contract as the other forwards (``sparse_attn_tl``): the running max moves once per 64-slot block and P is
+rounded to bf16 against that block's max, as the release does; only fp32 summation orders differ (here: each score
+is the sum of two partial dot products over D halves, and the probability sum is one chain over the blocks).
+
+Why. ``fwd_kernel_pp`` splits one query's blocks between two consumer warpgroups (a query's 64 x 512 fp32 output
+is 256 registers a thread for one warpgroup), so a pair of blocks is one serial chain that crosses both consumers
+(S0 -> softmax -> P0 -> softmax -> P1 -> rescale -> P V -> next QK) and an SM has nothing else to run while a link
+waits: ~8500 cycles a pair against ~4100 of tensor work (H100 run 76's trace). Here a CTA holds only its D half
+(rank r of the cluster: columns [r D/2, (r + 1) D/2)) of Q, of the gathered KV rows and of O, so one warpgroup's
+output is 64 x 256 (128 registers), and each of a CTA's two consumer warpgroups owns a different query: two
+independent chains per SM, as FlashAttention-3's two query tiles.
+
+Per block j of a consumer's query (both CTAs of the cluster run the same query's block j on their halves):
+
+    S_r = Q[:, half r] K_j[:, half r]^T        (m64n64, K = D/2; -inf seeded at holes)
+    send S_r to the peer (st.async into its ``recv`` buffer, completing bytes on its ``xbar``), wait for S_{1-r}
+    S = S_r + S_{1-r}                          (fp32 addition commutes: both CTAs hold the same bits)
+    m' = max(m, rowmax S); P = bf16(exp2(c S - c m')); l = l exp2(c (m - m')) + rowsum exp2(c S - c m')
+    O_r = O_r exp2(c (m - m')) + P V_j[:, half r]   (P from registers)
+
+so both CTAs compute the same softmax (the same m, P, l bit for bit) and each its output half. A partial score
+travels as the thread's own 32 accumulator registers, in register order, to the same thread of the peer's same
+warpgroup (whose fragment layout is the same), so no layout is assumed. The receiver hands its buffer back
+(``xfree``, a remote arrival on the sender's barrier) once every thread has added it.
+
+Roles (384 threads). Warpgroups 0 and 1: consumers of query slots 0 and 1. Warpgroup 2: the producer, two
+warps per slot: a slot's Q half (``q_ready``, again after ``q_free``), then its blocks' KV rows (the CTA's half
+of each, 512 bytes a row at D = 512) into the slot's two stages (``kv_ready`` / ``kv_free``), with a hole flag a
+row (holes are zero-filled by the copy's bounds check, not read). Persistent: ``ctas`` CTAs (an even number, the SM
+count), slot w of cluster g taking queries 2 g + w, 2 g + w + ctas, ...; every barrier's phase runs on across
+a slot's queries. O (bf16) is staged in the last block's stage and stored by TMA; rank 0 stores the LSE.
+
+Shared memory (D = 512): Q halves 2 x 32 KB, stages 2 slots x 2 x 32 KB, receive buffers 2 x 16 KB = 224 KB.
+"""
+import functools
+
+import tilelang.language as T
+
+from ._common import LOG2E, check_nreg, compile_kernel
+from .sparse_attn_tl import BF16, F32, I32
+
+# A thread's 32 fp32 partial scores (its m64n64 accumulator registers, in register order) to the same thread of
+# the peer CTA: the peer's buffer is [8][128][4] fp32 (16-byte rows, one per thread and register quad, so a
+# warp's loads are conflict-free), each st.async completing 16 bytes on the peer's barrier.
+_XCHG_SRC = r"""
+__device__ __forceinline__ unsigned dsv41_mapa(const void* p, int peer) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  return r;
+}
+__device__ __forceinline__ void dsv41_send_s32(const float* v, void* buf, void* bar, int peer, int t) {
+  const unsigned rb = dsv41_mapa(buf, peer) + t * 16, rbar = dsv41_mapa(bar, peer);
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(rb + k * 2048), "f"(v[4 * k]), "f"(v[4 * k + 1]), "f"(v[4 * k + 2]), "f"(v[4 * k + 3]),
+                    "r"(rbar) : "memory");
+}
+__device__ __forceinline__ void dsv41_add_s32(float* v, const void* buf, int t) {
+  const float4* p = reinterpret_cast<const float4*>(buf) + t;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float4 r = p[k * 128];
+    v[4 * k] += r.x; v[4 * k + 1] += r.y; v[4 * k + 2] += r.z; v[4 * k + 3] += r.w;
+  }
+}
+__device__ __forceinline__ void dsv41_arrive_expect_tx(void* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+}
+"""
+
+
+def _cl_smem(H: int, D: int, BI: int) -> int:
+    """fwd_kernel_cl's shared memory in bytes (one CTA: its D half)."""
+    DH = D // 2
+    return 2 * H * DH * 2 + 4 * BI * DH * 2 + 2 * H * BI * 4 + 4 * BI
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64, nreg: tuple = (232, 40),
+                  diag: str = ""):
+    """o, lse = fwd(q, kv, sink, idx) on ``ctas`` CTAs in 2-CTA clusters (384 threads each); H == 64, BI == 64,
+    TP a multiple of BI. Outputs as ``sparse_attn_tl.fwd_kernel``: o [B, M, H, D] bf16, lse [B, M, H] fp32
+    (log2 units of the scaled logits, sink included).
+
+    ``diag`` (benchmark ablations only, wrong outputs; "+"-joined): "noxchg" = no score exchange (each CTA's softmax
+    over its own partial scores); "compute" = each slot's producer gathers its first query's first two blocks only
+    and then re-signals the stages (stale rows: no gather latency); "trace" = the normal kernel, but rank 0's
+    consumers write clock64() stamps (cycles since the CTA's start) into their query's LSE row instead of the LSE:
+    slot 4 j + 0..3 = block j's stage ready, its QK done, its exchange done, its P V done (TP <= 640), 40 = the
+    epilogue done."""
+    B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
+    if H != 64 or BI != 64:
+        raise ValueError("fwd_kernel_cl: H and BI must be 64 (one warpgroup's m64n64 score tile)")
+    if D % 128 or D > 512:
+        raise ValueError("fwd_kernel_cl: D must be a multiple of 128, <= 512")
+    if TP % BI:
+        raise ValueError("fwd_kernel_cl: TP must be a multiple of BI")
+    if _cl_smem(H, D, BI) > 227 * 1024 - 1024:
+        raise ValueError("fwd_kernel_cl: shared memory over 227 KB")
+    if not isinstance(ctas, int) or ctas < 2 or ctas % 2:
+        raise ValueError(f"fwd_kernel_cl: ctas must be an even number >= 2 (2-CTA clusters), got {ctas!r}")
+    check_nreg("fwd_kernel_cl", nreg)
+    DG = set(diag.split("+")) - {""}
+    if DG - {"noxchg", "compute", "trace"}:
+        raise ValueError(f"fwd_kernel_cl: diag {diag!r}")
+    XC = "noxchg" not in DG
+    GA = "compute" not in DG
+    TR = "trace" in DG
+    if TR and TP > 640:
+        raise ValueError("fwd_kernel_cl: diag='trace' keeps 4 stamps a block in the 64 LSE slots: TP <= 640")
+    NI = TP // BI
+    DH = D // 2
+    c = float(scale) * LOG2E
+    XB = H * BI * 4                     # bytes of one partial score tile
+    CPR = DH // 8 // 8                  # 16-byte chunks a producer thread copies per row (8 threads a row)
+
+    @T.macro
+    def stamp(slot, t0s, Lse, bi, mi, r, t):
+        if TR:
+            if r == 0:
+                if t == 0:
+                    Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+
+    @T.macro
+    def consumer(w, r, NQ, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free, kv_ready, kv_free, xbar, xfree, Sink,
+                 O, Lse, slot0):
+        acc_s = T.alloc_fragment([H, BI], F32)
+        p = T.alloc_fragment([H, BI], BF16)
+        acc_o = T.alloc_fragment([H, DH], F32)
+        m = T.alloc_fragment([H], F32)
+        m1 = T.alloc_fragment([H], F32)
+        a = T.alloc_fragment([H], F32)
+        ls = T.alloc_fragment([H], F32)
+        l = T.alloc_fragment([H], F32)
+        lo = T.alloc_fragment([H], F32)
+        z = T.alloc_var(I32)
+        T.set_max_nreg(nreg[0], 1)
+        t = T.get_thread_binding() % 128
+        T.import_source(_XCHG_SRC)
+        for k in T.serial(NQ):
+            n = slot0 + k * ctas
+            bi = n // M
+            mi = n % M
+            T.fill(acc_o, 0)
+            T.fill(l, 0)
+            T.fill(m, -1e30)
+            T.barrier_wait(q_ready[w], k % 2)
+            for j in T.serial(NI):
+                g = k * NI + j                          # the slot's block count: stage g % 2, phases run on
+                s = g % 2
+                z = zs[0]                               # 0, unknown to ptxas: no WGMMA descriptor is hoisted
+                T.barrier_wait(kv_ready[w * 2 + s], (g // 2) % 2)
+                stamp(4 * j, t0s, Lse, bi, mi, r, t)
+                for h, u in T.Parallel(H, BI):
+                    acc_s[h, u] = T.if_then_else(hole_s[w, s, u] != 0, -T.infinity(F32), 0)
+                T.wgmma_gemm(q_s[z + w, :, :], kv_s[z + w * 2 + s, :, :], acc_s, transpose_B=True)
+                T.wait_wgmma(0)
+                if j == NI - 1:
+                    T.barrier_arrive(q_free[w])         # the slot's last QK of this query: Q may be reloaded
+                stamp(4 * j + 1, t0s, Lse, bi, mi, r, t)
+                if XC:                                  # exchange the partial scores with the peer's same slot
+                    T.barrier_wait(xfree[w], (g % 2) ^ 1)   # the peer has added my previous partial
+                    if t == 0:
+                        T.call_extern("handle", "dsv41_arrive_expect_tx", T.address_of(xbar[w]), XB)
+                    T.call_extern("handle", "dsv41_send_s32", acc_s.data, T.address_of(recv_s[w, 0, 0, 0]),
+                                  T.address_of(xbar[w]), 1 - r, t)
+                    T.barrier_wait(xbar[w], g % 2)
+                    T.call_extern("handle", "dsv41_add_s32", acc_s.data, T.address_of(recv_s[w, 0, 0, 0]), t)
+                    T.sync_threads(10 + w, 128)             # every thread has read recv_s[w] (ids 10-13: TileLang numbers its own from 3)
+                    if t == 0:
+                        T.mbarrier_arrive(xfree[w], 1 - r)
+                stamp(4 * j + 2, t0s, Lse, bi, mi, r, t)
+                # softmax (the release's block recurrence)
+                T.copy(m, m1)
+                T.reduce_max(acc_s, m1, dim=1, clear=False)
+                for h in T.Parallel(H):
+                    a[h] = T.exp2((m[h] - m1[h]) * c)
+                for h, u in T.Parallel(H, BI):
+                    acc_s[h, u] = T.exp2(acc_s[h, u] * c - m1[h] * c)
+                T.reduce_sum(acc_s, ls, dim=1)
+                for h in T.Parallel(H):
+                    l[h] = l[h] * a[h] + ls[h]
+                T.copy(m1, m)
+                T.copy(acc_s, p)
+                for h, d in T.Parallel(H, DH):
+                    acc_o[h, d] *= a[h]
+                T.wgmma_gemm(p, kv_s[z + w * 2 + s, :, :], acc_o)
+                T.wait_wgmma(0)
+                stamp(4 * j + 3, t0s, Lse, bi, mi, r, t)
+                if j < NI - 1:
+                    T.barrier_arrive(kv_free[w * 2 + s])
+            # epilogue: the sink in the denominator, O half through the last block's stage (TMA store), LSE
+            s_last = (k * NI + NI - 1) % 2
+            for h in T.Parallel(H):
+                l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
+            for h, d in T.Parallel(H, DH):
+                acc_o[h, d] /= l[h]
+            T.copy(acc_o, kv_s[w * 2 + s_last, :, :])
+            T.copy(kv_s[w * 2 + s_last, :, :], O[bi, mi, :, r * DH:(r + 1) * DH])
+            T.sync_threads(12 + w, 128)                 # the store's reads are done (its issuing thread waited)
+            T.barrier_arrive(kv_free[w * 2 + s_last])
+            if not TR:
+                if r == 0:
+                    for h in T.Parallel(H):
+                        lo[h] = T.log2(l[h]) + m[h] * c
+                    T.copy(lo, Lse[bi, mi, :])
+            stamp(40, t0s, Lse, bi, mi, r, t)
+
+    @T.macro
+    def producer(w, r, NQ, q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV, Idx, slot0):
+        """Warps 2w, 2w + 1 of warpgroup 2 (64 threads): slot w's Q halves and KV row halves."""
+        tp = T.get_thread_binding() % 64
+        src = T.alloc_local([BI // 8], I32)
+        for k in T.serial(NQ):
+            n = slot0 + k * ctas
+            bi = n // M
+            mi = n % M
+            if k > 0:
+                T.barrier_wait(q_free[w], (k - 1) % 2)
+            for i in T.unroll(H // 8):                  # Q[:, half r]: 8 threads a row, 8 rows a pass
+                for u in T.unroll(CPR):
+                    col = u * 64 + (tp % 8) * 8
+                    T.ptx_cp_async(T.access_ptr(q_s[w, i * 8 + tp // 8, col], "w", 8),
+                                   T.access_ptr(Q[bi, mi, i * 8 + tp // 8, r * DH + col], "r", 8), 8)
+            T.cp_async_barrier_noinc(q_ready[w])
+            for j in T.serial(NI):
+                g = k * NI + j
+                s = g % 2
+                for i in T.unroll(BI // 8):
+                    src[i] = Idx[bi, mi, j * BI + i * 8 + tp // 8]
+                T.barrier_wait(kv_free[w * 2 + s], ((g // 2) % 2) ^ 1)
+                if GA or g < 2:
+                    if tp % 8 == 0:
+                        for i in T.unroll(BI // 8):
+                            hole_s[w, s, i * 8 + tp // 8] = T.if_then_else(src[i] < 0, 1, 0)
+                    for i in T.unroll(BI // 8):         # a hole (-1) fails the bounds check: zero-filled, not read
+                        for u in T.unroll(CPR):
+                            col = u * 64 + (tp % 8) * 8
+                            T.ptx_cp_async(T.access_ptr(kv_s[w * 2 + s, i * 8 + tp // 8, col], "w", 8),
+                                           T.access_ptr(KV[bi, src[i], r * DH + col], "r", 8), 8)
+                    T.cp_async_barrier_noinc(kv_ready[w * 2 + s])
+                    T.barrier_arrive(kv_ready[w * 2 + s])   # the hole flags (generic stores) are released
+                else:
+                    T.barrier_arrive(kv_ready[w * 2 + s])
+                    T.barrier_arrive(kv_ready[w * 2 + s])
+
+    @T.prim_func
+    def sparse_attn_fwd_cl(
+        Q: T.Tensor([B, M, H, D], BF16),
+        KV: T.Tensor([B, N, D], BF16),
+        Sink: T.Tensor([H], F32),
+        Idx: T.Tensor([B, M, TP], I32),
+        O: T.Tensor([B, M, H, D], BF16),
+        Lse: T.Tensor([B, M, H], F32),
+    ):
+        with T.Kernel(ctas, threads=384, cluster_dims=(2, 1, 1)) as bx:
+            q_s = T.alloc_shared([2, H, DH], BF16)
+            kv_s = T.alloc_shared([4, BI, DH], BF16)
+            recv_s = T.alloc_shared([2, 8, 128, 4], F32)
+            hole_s = T.alloc_shared([2, 2, BI], I32)
+            zs = T.alloc_shared([1], I32)
+            t0s = T.alloc_shared([1], "int64")          # diag="trace": the CTA's start (clock64)
+            q_ready = T.alloc_barrier(arrive_count=[64] * 2)
+            q_free = T.alloc_barrier(arrive_count=[128] * 2)
+            kv_ready = T.alloc_barrier(arrive_count=[128] * 4)    # 64 cp.async (noinc) + 64 plain arrivals
+            kv_free = T.alloc_barrier(arrive_count=[128] * 4)
+            xbar = T.alloc_barrier(arrive_count=[1] * 2)           # + the peer's 16 KB of st.async bytes
+            xfree = T.alloc_cluster_barrier([1] * 2)               # the peer's thread 0 of the slot
+            r = T.block_rank_in_cluster()
+            cl = bx // 2
+            tx = T.get_thread_binding()
+            if tx == 0:
+                zs[0] = 0
+                if TR:
+                    t0s[0] = T.call_extern("int64", "clock64")
+            T.sync_threads()
+            if tx < 128:
+                consumer(0, r, (B * M - 2 * cl + ctas - 1) // ctas, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free,
+                         kv_ready, kv_free, xbar, xfree, Sink, O, Lse, 2 * cl)
+            elif tx < 256:
+                consumer(1, r, (B * M - 2 * cl - 1 + ctas - 1) // ctas, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready,
+                         q_free, kv_ready, kv_free, xbar, xfree, Sink, O, Lse, 2 * cl + 1)
+            else:
+                T.set_max_nreg(nreg[1], 0)
+                if tx < 320:
+                    NQ0 = (B * M - 2 * cl + ctas - 1) // ctas
+                    producer(0, r, NQ0, q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV, Idx, 2 * cl)
+                else:
+                    NQ1 = (B * M - 2 * cl - 1 + ctas - 1) // ctas
+                    producer(1, r, NQ1, q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV, Idx,
+                             2 * cl + 1)
+            T.cluster_sync()                            # the peer's last remote stores / arrivals landed
+
+    return compile_kernel(sparse_attn_fwd_cl, out_idx=[4, 5])
+
+
+def cl_fits(H: int, D: int, TP: int, BI: int = 64) -> bool:
+    """fwd_kernel_cl's shapes: 64 heads, D a multiple of 128 up to 512, TP a multiple of 64."""
+    return H == 64 and D % 128 == 0 and D <= 512 and TP % BI == 0 and _cl_smem(H, D, BI) <= 227 * 1024 - 1024
