@@ -446,25 +446,33 @@ def test_sparse_attn_fwd_pp_option_errors():
 CL_SHAPES = PP_SHAPES + [(3, 37, 64, 256, 333, 64)]      # + one block a query (the epilogue right after the first)
 
 
+@pytest.mark.parametrize("pipe", [False, True], ids=["serial", "pipe"])
 @pytest.mark.parametrize("ctas", [4, 132])
 @pytest.mark.parametrize("shape", CL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_sparse_attn_fwd_cl(shape, ctas):
+def test_sparse_attn_fwd_cl(shape, ctas, pipe):
     """fwd_kernel_cl (2-CTA clusters splitting D, two queries an SM) against the reference with pp's hole patterns
     (a whole block of holes: a row's max stays where it was; a leading run: the max from -1e30). 4 CTAs: two
     clusters, each slot running through many queries (the barrier phases and the Q / stage reuse across queries);
     132 outnumber the first shape's 128 queries (idle slots). Repeated launches give the same bits (no race between
     the roles or across the cluster), and the D halves' sums agree bit for bit across the cluster (LSE from rank 0
-    only, O from both: a disagreement would show as a mismatch against the reference)."""
+    only, O from both: a disagreement would show as a mismatch against the reference). ``pipe`` (blocks in pairs,
+    the next QK under the softmax, a P V under the next exchange) does the same arithmetic in the same order: the
+    same bits as the serial schedule."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang.sparse_attn_cl_tl import fwd_kernel_cl
     B, M, H, D, N, T = shape
+    if pipe and T % 128:
+        pytest.skip("pipe=True takes blocks in pairs (T a multiple of 128)")
     q, kv, sink, idx = _pp_inputs(shape)
     scale = D ** -0.5
-    o, lse = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
-    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, f"cl ctas={ctas}")
+    o, lse = fwd_kernel_cl(H, D, T, scale, ctas, pipe=pipe)(q, kv, sink.float(), idx)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, f"cl ctas={ctas} pipe={pipe}")
     for _ in range(3):
-        o2, lse2 = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
+        o2, lse2 = fwd_kernel_cl(H, D, T, scale, ctas, pipe=pipe)(q, kv, sink.float(), idx)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    if pipe:
+        o1, lse1 = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
+        assert torch.equal(o1, o) and torch.equal(lse1, lse)
 
 
 def test_sparse_attn_fwd_cl_errors():

@@ -80,8 +80,8 @@ def _cl_smem(H: int, D: int, BI: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64, nreg: tuple = (232, 40),
-                  diag: str = ""):
+def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64, nreg: tuple | None = None,
+                  pipe: bool = False, diag: str = ""):
     """o, lse = fwd(q, kv, sink, idx) on ``ctas`` CTAs in 2-CTA clusters (384 threads each); H == 64, BI == 64,
     TP a multiple of BI. Outputs as ``sparse_attn_tl.fwd_kernel``: o [B, M, H, D] bf16, lse [B, M, H] fp32
     (log2 units of the scaled logits, sink included).
@@ -103,6 +103,8 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         raise ValueError("fwd_kernel_cl: shared memory over 227 KB")
     if not isinstance(ctas, int) or ctas < 2 or ctas % 2:
         raise ValueError(f"fwd_kernel_cl: ctas must be an even number >= 2 (2-CTA clusters), got {ctas!r}")
+    if nreg is None:    # pipe: two score tiles live; at 232 ptxas serialises the WGMMAs (C7512), at 240 the producer
+        nreg = (240, 24) if pipe else (232, 40)         # spills a few addresses to local memory (no C75xx)
     check_nreg("fwd_kernel_cl", nreg)
     DG = set(diag.split("+")) - {""}
     if DG - {"noxchg", "compute", "trace"}:
@@ -113,6 +115,9 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
     if TR and TP > 640:
         raise ValueError("fwd_kernel_cl: diag='trace' keeps 4 stamps a block in the 64 LSE slots: TP <= 640")
     NI = TP // BI
+    PIPE = bool(pipe)
+    if PIPE and NI % 2:
+        raise ValueError("fwd_kernel_cl: pipe=True takes blocks in pairs: TP must be a multiple of 2 * BI")
     DH = D // 2
     c = float(scale) * LOG2E
     XB = H * BI * 4                     # bytes of one partial score tile
@@ -126,9 +131,152 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
                     Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
+    def issue_qk(w, s, z, acc, q_s, kv_s, hole_s):
+        """S_r of the block in stage s into acc, seeded 0 at a slot and -inf at a hole; issued, not waited for."""
+        for h, u in T.Parallel(H, BI):
+            acc[h, u] = T.if_then_else(hole_s[w, s, u] != 0, -T.infinity(F32), 0)
+        T.wgmma_gemm(q_s[z + w, :, :], kv_s[z + w * 2 + s, :, :], acc, transpose_B=True)
+
+    @T.macro
+    def send(w, r, t, gb, acc, recv_s, xbar, xfree):
+        """The slot's gb-th partial scores (acc, complete) to the peer's recv_s[w], once the peer has added the
+        previous ones (xfree); arms this CTA's xbar for the peer's."""
+        if XC:
+            T.barrier_wait(xfree[w], (gb % 2) ^ 1)
+            if t == 0:
+                T.call_extern("handle", "dsv41_arrive_expect_tx", T.address_of(xbar[w]), XB)
+            T.call_extern("handle", "dsv41_send_s32", acc.data, T.address_of(recv_s[w, 0, 0, 0]),
+                          T.address_of(xbar[w]), 1 - r, t)
+
+    @T.macro
+    def receive(w, r, t, gb, acc, recv_s, xbar, xfree):
+        """acc += the peer's gb-th partial scores; then recv_s[w] is handed back (xfree, on the peer)."""
+        if XC:
+            T.barrier_wait(xbar[w], gb % 2)
+            T.call_extern("handle", "dsv41_add_s32", acc.data, T.address_of(recv_s[w, 0, 0, 0]), t)
+            T.sync_threads(10 + w, 128)                 # every thread has read recv_s[w] (ids 10-13: TileLang's own from 3)
+            if t == 0:
+                T.mbarrier_arrive(xfree[w], 1 - r)
+
+    @T.macro
+    def softmax(acc, m, m1, a, ls, l):
+        """The release's block recurrence: m1 = max(m, rowmax S), a = exp2(c (m - m1)), acc <- exp2(c S - c m1)
+        (fp32), l = l a + rowsum acc; m <- m1."""
+        T.copy(m, m1)
+        T.reduce_max(acc, m1, dim=1, clear=False)
+        for h in T.Parallel(H):
+            a[h] = T.exp2((m[h] - m1[h]) * c)
+        for h, u in T.Parallel(H, BI):
+            acc[h, u] = T.exp2(acc[h, u] * c - m1[h] * c)
+        T.reduce_sum(acc, ls, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h] + ls[h]
+        T.copy(m1, m)
+
+    @T.macro
+    def epilogue(w, r, t, k, acc_o, l, m, lo, kv_s, kv_free, t0s, Sink, O, Lse, bi, mi):
+        """The sink in the denominator, the O half through the last block's stage (TMA store), LSE (rank 0)."""
+        s_last = (k * NI + NI - 1) % 2
+        for h in T.Parallel(H):
+            l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
+        for h, d in T.Parallel(H, DH):
+            acc_o[h, d] /= l[h]
+        T.copy(acc_o, kv_s[w * 2 + s_last, :, :])
+        T.copy(kv_s[w * 2 + s_last, :, :], O[bi, mi, :, r * DH:(r + 1) * DH])
+        T.sync_threads(12 + w, 128)                     # the store's reads are done (its issuing thread waited)
+        T.barrier_arrive(kv_free[w * 2 + s_last])
+        if not TR:
+            if r == 0:
+                for h in T.Parallel(H):
+                    lo[h] = T.log2(l[h]) + m[h] * c
+                T.copy(lo, Lse[bi, mi, :])
+        stamp(40, t0s, Lse, bi, mi, r, t)
+
+    @T.macro
+    def blocks_serial(w, r, t, k, z, zs, acc_s, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s, q_free,
+                      kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi):
+        """One block after the other: QK, exchange, softmax, P V, each waited for (``pipe=False``)."""
+        for j in T.serial(NI):
+            g = k * NI + j                              # the slot's block count: stage g % 2, phases run on
+            s = g % 2
+            z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
+            T.barrier_wait(kv_ready[w * 2 + s], (g // 2) % 2)
+            stamp(4 * j, t0s, Lse, bi, mi, r, t)
+            issue_qk(w, s, z, acc_s, q_s, kv_s, hole_s)
+            T.wait_wgmma(0)
+            if j == NI - 1:
+                T.barrier_arrive(q_free[w])             # the slot's last QK of this query: Q may be reloaded
+            stamp(4 * j + 1, t0s, Lse, bi, mi, r, t)
+            send(w, r, t, g, acc_s, recv_s, xbar, xfree)
+            receive(w, r, t, g, acc_s, recv_s, xbar, xfree)
+            stamp(4 * j + 2, t0s, Lse, bi, mi, r, t)
+            softmax(acc_s, m, m1, a, ls, l)
+            T.copy(acc_s, p)
+            for h, d in T.Parallel(H, DH):
+                acc_o[h, d] *= a[h]
+            T.wgmma_gemm(p, kv_s[z + w * 2 + s, :, :], acc_o)
+            T.wait_wgmma(0)
+            stamp(4 * j + 3, t0s, Lse, bi, mi, r, t)
+            if j < NI - 1:
+                T.barrier_arrive(kv_free[w * 2 + s])
+
+    @T.macro
+    def blocks_pipe(w, r, t, k, z, zs, acc_s, acc_b, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s, q_free,
+                    kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi):
+        """Pairs of blocks (NI even: block 2i in stage 0, 2i + 1 in stage 1), FlashAttention-3's intra-warpgroup
+        overlap: the next QK runs under a softmax, a P V under the next exchange and softmax; nothing in flight
+        across the loop's back edge (ptxas would serialise every WGMMA). Block 2i's scores are in acc_s (sent)
+        when pair i starts."""
+        g0 = k * NI
+        z = zs[0]
+        T.barrier_wait(kv_ready[w * 2 + 0], (g0 // 2) % 2)
+        stamp(0, t0s, Lse, bi, mi, r, t)
+        issue_qk(w, 0, z, acc_s, q_s, kv_s, hole_s)
+        T.wait_wgmma(0)
+        send(w, r, t, g0, acc_s, recv_s, xbar, xfree)
+        for i in T.serial(NI // 2):
+            ga = g0 + 2 * i
+            z = zs[0]
+            T.barrier_wait(kv_ready[w * 2 + 1], (ga // 2) % 2)
+            issue_qk(w, 1, z, acc_b, q_s, kv_s, hole_s)                 # S_{2i+1} under the softmax of 2i
+            receive(w, r, t, ga, acc_s, recv_s, xbar, xfree)
+            stamp(8 * i + 1, t0s, Lse, bi, mi, r, t)
+            softmax(acc_s, m, m1, a, ls, l)
+            T.copy(acc_s, p)
+            for h, d in T.Parallel(H, DH):
+                acc_o[h, d] *= a[h]
+            T.wait_wgmma(0)                                            # S_{2i+1} done
+            if i == NI // 2 - 1:
+                T.barrier_arrive(q_free[w])                            # the last QK of this query: Q may reload
+            stamp(8 * i + 2, t0s, Lse, bi, mi, r, t)
+            send(w, r, t, ga + 1, acc_b, recv_s, xbar, xfree)
+            T.wgmma_gemm(p, kv_s[z + w * 2 + 0, :, :], acc_o)          # P_{2i} V_{2i} under the next exchange
+            receive(w, r, t, ga + 1, acc_b, recv_s, xbar, xfree)
+            stamp(8 * i + 3, t0s, Lse, bi, mi, r, t)
+            softmax(acc_b, m, m1, a, ls, l)
+            T.wait_wgmma(0)                                            # P_{2i} V_{2i} done: stage 0, p free
+            stamp(8 * i + 4, t0s, Lse, bi, mi, r, t)
+            T.barrier_arrive(kv_free[w * 2 + 0])
+            T.copy(acc_b, p)
+            for h, d in T.Parallel(H, DH):
+                acc_o[h, d] *= a[h]
+            if i < NI // 2 - 1:
+                T.barrier_wait(kv_ready[w * 2 + 0], ((ga + 2) // 2) % 2)
+                stamp(8 * i + 5, t0s, Lse, bi, mi, r, t)
+                issue_qk(w, 0, z, acc_s, q_s, kv_s, hole_s)            # S_{2i+2} beside P_{2i+1} V_{2i+1}
+            T.wgmma_gemm(p, kv_s[z + w * 2 + 1, :, :], acc_o)
+            T.wait_wgmma(0)
+            stamp(8 * i + 6, t0s, Lse, bi, mi, r, t)
+            if i < NI // 2 - 1:
+                T.barrier_arrive(kv_free[w * 2 + 1])
+                send(w, r, t, ga + 2, acc_s, recv_s, xbar, xfree)
+            stamp(8 * i + 7, t0s, Lse, bi, mi, r, t)
+
+    @T.macro
     def consumer(w, r, NQ, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free, kv_ready, kv_free, xbar, xfree, Sink,
                  O, Lse, slot0):
         acc_s = T.alloc_fragment([H, BI], F32)
+        acc_b = T.alloc_fragment([H, BI], F32) if PIPE else None
         p = T.alloc_fragment([H, BI], BF16)
         acc_o = T.alloc_fragment([H, DH], F32)
         m = T.alloc_fragment([H], F32)
@@ -149,66 +297,13 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
             T.fill(l, 0)
             T.fill(m, -1e30)
             T.barrier_wait(q_ready[w], k % 2)
-            for j in T.serial(NI):
-                g = k * NI + j                          # the slot's block count: stage g % 2, phases run on
-                s = g % 2
-                z = zs[0]                               # 0, unknown to ptxas: no WGMMA descriptor is hoisted
-                T.barrier_wait(kv_ready[w * 2 + s], (g // 2) % 2)
-                stamp(4 * j, t0s, Lse, bi, mi, r, t)
-                for h, u in T.Parallel(H, BI):
-                    acc_s[h, u] = T.if_then_else(hole_s[w, s, u] != 0, -T.infinity(F32), 0)
-                T.wgmma_gemm(q_s[z + w, :, :], kv_s[z + w * 2 + s, :, :], acc_s, transpose_B=True)
-                T.wait_wgmma(0)
-                if j == NI - 1:
-                    T.barrier_arrive(q_free[w])         # the slot's last QK of this query: Q may be reloaded
-                stamp(4 * j + 1, t0s, Lse, bi, mi, r, t)
-                if XC:                                  # exchange the partial scores with the peer's same slot
-                    T.barrier_wait(xfree[w], (g % 2) ^ 1)   # the peer has added my previous partial
-                    if t == 0:
-                        T.call_extern("handle", "dsv41_arrive_expect_tx", T.address_of(xbar[w]), XB)
-                    T.call_extern("handle", "dsv41_send_s32", acc_s.data, T.address_of(recv_s[w, 0, 0, 0]),
-                                  T.address_of(xbar[w]), 1 - r, t)
-                    T.barrier_wait(xbar[w], g % 2)
-                    T.call_extern("handle", "dsv41_add_s32", acc_s.data, T.address_of(recv_s[w, 0, 0, 0]), t)
-                    T.sync_threads(10 + w, 128)             # every thread has read recv_s[w] (ids 10-13: TileLang numbers its own from 3)
-                    if t == 0:
-                        T.mbarrier_arrive(xfree[w], 1 - r)
-                stamp(4 * j + 2, t0s, Lse, bi, mi, r, t)
-                # softmax (the release's block recurrence)
-                T.copy(m, m1)
-                T.reduce_max(acc_s, m1, dim=1, clear=False)
-                for h in T.Parallel(H):
-                    a[h] = T.exp2((m[h] - m1[h]) * c)
-                for h, u in T.Parallel(H, BI):
-                    acc_s[h, u] = T.exp2(acc_s[h, u] * c - m1[h] * c)
-                T.reduce_sum(acc_s, ls, dim=1)
-                for h in T.Parallel(H):
-                    l[h] = l[h] * a[h] + ls[h]
-                T.copy(m1, m)
-                T.copy(acc_s, p)
-                for h, d in T.Parallel(H, DH):
-                    acc_o[h, d] *= a[h]
-                T.wgmma_gemm(p, kv_s[z + w * 2 + s, :, :], acc_o)
-                T.wait_wgmma(0)
-                stamp(4 * j + 3, t0s, Lse, bi, mi, r, t)
-                if j < NI - 1:
-                    T.barrier_arrive(kv_free[w * 2 + s])
-            # epilogue: the sink in the denominator, O half through the last block's stage (TMA store), LSE
-            s_last = (k * NI + NI - 1) % 2
-            for h in T.Parallel(H):
-                l[h] = l[h] + T.exp2(Sink[h] * LOG2E - m[h] * c)
-            for h, d in T.Parallel(H, DH):
-                acc_o[h, d] /= l[h]
-            T.copy(acc_o, kv_s[w * 2 + s_last, :, :])
-            T.copy(kv_s[w * 2 + s_last, :, :], O[bi, mi, :, r * DH:(r + 1) * DH])
-            T.sync_threads(12 + w, 128)                 # the store's reads are done (its issuing thread waited)
-            T.barrier_arrive(kv_free[w * 2 + s_last])
-            if not TR:
-                if r == 0:
-                    for h in T.Parallel(H):
-                        lo[h] = T.log2(l[h]) + m[h] * c
-                    T.copy(lo, Lse[bi, mi, :])
-            stamp(40, t0s, Lse, bi, mi, r, t)
+            if PIPE:
+                blocks_pipe(w, r, t, k, z, zs, acc_s, acc_b, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s,
+                            q_free, kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi)
+            else:
+                blocks_serial(w, r, t, k, z, zs, acc_s, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s,
+                              q_free, kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi)
+            epilogue(w, r, t, k, acc_o, l, m, lo, kv_s, kv_free, t0s, Sink, O, Lse, bi, mi)
 
     @T.macro
     def producer(w, r, NQ, q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV, Idx, slot0):
