@@ -350,20 +350,20 @@ def attention_cl(results, args):
     for rnd in range(3):
         one(f"  pp ctas={sms} (round {rnd + 1})", pp.fwd_kernel_pp(H, D, ip.shape[-1], scale, ctas=sms), ip)
         one(f"  cl ctas={sms} (round {rnd + 1})", cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms), ip)
-        one(f"  cl ctas={sms} pipe (round {rnd + 1})", cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms, pipe=True), ip)
     for diag in CL_DIAGS:                          # ablations (wrong outputs: timing only)
         one(f"  cl ctas={sms} diag={diag}", cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms, diag=diag), ip,
             check=False)
-    for pipe in (False, True):                     # the traces: rank 0's consumers' stamps (fwd_kernel_cl's diag)
-        try:
-            _, st = cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms, pipe=pipe, diag="trace")(q, kv, sink, ip)
-            NI = ip.shape[-1] // 64
-            st = st[0, :, :4 * NI + 1].double()
-            med = (st - st[:, :1]).median(0).values.tolist()    # from the query's first stamp
-            print(f"  cl trace pipe={pipe} (rank 0, median over queries, cycles from the first stamp), slot: "
-                  + " ".join(f"{i}:{v:.0f}" for i, v in enumerate(med)), flush=True)
-        except Exception as e:
-            print(f"  cl trace pipe={pipe}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    try:                                           # the trace: rank 0's consumers' stamps (fwd_kernel_cl's diag)
+        _, st = cl.fwd_kernel_cl(H, D, ip.shape[-1], scale, sms, diag="trace")(q, kv, sink, ip)
+        NI = ip.shape[-1] // 64
+        st = st[0, :, :4 * NI + 1].double()
+        med = (st - st[:, :1]).median(0).values.tolist()        # from the query's first stamp
+        print("  cl trace (rank 0, median over queries, cycles from block 0's stage ready), per block "
+              "ready/QK done/exchange done/P V done: " + "; ".join(
+                  f"{j}: " + "/".join(f"{med[4 * j + x]:.0f}" for x in range(4)) for j in range(NI))
+              + f"; epilogue done {med[4 * NI]:.0f}", flush=True)
+    except Exception as e:
+        print(f"  cl trace: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(2)
     B, M, N = q.shape[0], q.shape[1], kv.shape[1]
     T_ = 2560
@@ -371,5 +371,4 @@ def attention_cl(results, args):
     f_ = 2 * B * M * H * T_ * 2 * D
     b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
     one(f"  cl ctas={sms}, {T_} random slots a query", cl.fwd_kernel_cl(H, D, T_, scale, sms), ir, f_, b_, False)
-    one(f"  cl ctas={sms} pipe, {T_} random slots a query", cl.fwd_kernel_cl(H, D, T_, scale, sms, pipe=True), ir,
-        f_, b_, False)
+

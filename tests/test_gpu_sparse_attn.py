@@ -137,7 +137,7 @@ FWD_IMPL_SHAPES = ATTN_SHAPES + [  # B, M, H, D, N, T
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["pp", "sp", "ws", "lockstep", "seesaw"])
+@pytest.mark.parametrize("impl", ["cl", "pp", "sp", "ws", "lockstep", "seesaw"])
 @pytest.mark.parametrize("shape", FWD_IMPL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_impl(shape, impl, block):
     """Every forward kernel at every shape (H = 16 runs the lock-step kernel under any impl);
@@ -150,7 +150,7 @@ def test_sparse_attn_fwd_impl(shape, impl, block):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("impl", ["pp", "sp", "ws", "lockstep", "seesaw"])
+@pytest.mark.parametrize("impl", ["cl", "pp", "sp", "ws", "lockstep", "seesaw"])
 def test_sparse_attn_fwd_impl_release(impl, block):
     _need_tilelang()
     q, kv, sink, _, idx = _release_inputs(1, idx_seed=0)
@@ -208,7 +208,8 @@ def test_sparse_attn_fwd_pp_is_default():
 
 # which kernel each impl runs, written out: the impl tests compare outputs only, so a dispatch change (e.g. pp_fits
 # turning false) would run another kernel under the same test name and still pass
-FWD_DISPATCH = {("pp", 64): "pp", ("sp", 64): "sp", ("ws", 64): "ws", ("seesaw", 64): "seesaw",
+FWD_DISPATCH = {("cl", 64): "cl", ("cl", 128): "ws",
+                ("pp", 64): "pp", ("sp", 64): "sp", ("ws", 64): "ws", ("seesaw", 64): "seesaw",
                 ("lockstep", 64): "lockstep", ("pp", 128): "ws", ("sp", 128): "ws", ("ws", 128): "ws",
                 ("seesaw", 128): "seesaw", ("lockstep", 128): "lockstep"}
 
@@ -218,12 +219,14 @@ def test_sparse_attn_fwd_dispatch(impl_block, monkeypatch):
     """The release width (H 64, D 512, T 640, fewer queries than SMs) runs the kernel FWD_DISPATCH names; 16 heads
     run the lock-step kernel whatever the impl."""
     _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_cl_tl as cl
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_seesaw_tl as ss
     from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     seen = []
-    for mod, name, tag in ((pp, "fwd_kernel_pp", "pp"), (sp, "fwd_kernel_sp", "sp"), (ss, "fwd_kernel_seesaw", "seesaw"),
+    for mod, name, tag in ((cl, "fwd_kernel_cl", "cl"), (pp, "fwd_kernel_pp", "pp"), (sp, "fwd_kernel_sp", "sp"),
+                           (ss, "fwd_kernel_seesaw", "seesaw"),
                            (sa, "fwd_kernel_ws", "ws"), (sa, "fwd_kernel", "lockstep")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _t=tag, **kw: seen.append(_t) or _r(*a, **kw))
@@ -446,33 +449,25 @@ def test_sparse_attn_fwd_pp_option_errors():
 CL_SHAPES = PP_SHAPES + [(3, 37, 64, 256, 333, 64)]      # + one block a query (the epilogue right after the first)
 
 
-@pytest.mark.parametrize("pipe", [False, True], ids=["serial", "pipe"])
 @pytest.mark.parametrize("ctas", [4, 132])
 @pytest.mark.parametrize("shape", CL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_sparse_attn_fwd_cl(shape, ctas, pipe):
+def test_sparse_attn_fwd_cl(shape, ctas):
     """fwd_kernel_cl (2-CTA clusters splitting D, two queries an SM) against the reference with pp's hole patterns
     (a whole block of holes: a row's max stays where it was; a leading run: the max from -1e30). 4 CTAs: two
     clusters, each slot running through many queries (the barrier phases and the Q / stage reuse across queries);
     132 outnumber the first shape's 128 queries (idle slots). Repeated launches give the same bits (no race between
     the roles or across the cluster), and the D halves' sums agree bit for bit across the cluster (LSE from rank 0
-    only, O from both: a disagreement would show as a mismatch against the reference). ``pipe`` (blocks in pairs,
-    the next QK under the softmax, a P V under the next exchange) does the same arithmetic in the same order: the
-    same bits as the serial schedule."""
+    only, O from both: a disagreement would show as a mismatch against the reference)."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang.sparse_attn_cl_tl import fwd_kernel_cl
     B, M, H, D, N, T = shape
-    if pipe and T % 128:
-        pytest.skip("pipe=True takes blocks in pairs (T a multiple of 128)")
     q, kv, sink, idx = _pp_inputs(shape)
     scale = D ** -0.5
-    o, lse = fwd_kernel_cl(H, D, T, scale, ctas, pipe=pipe)(q, kv, sink.float(), idx)
-    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, f"cl ctas={ctas} pipe={pipe}")
+    o, lse = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
+    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, f"cl ctas={ctas}")
     for _ in range(3):
-        o2, lse2 = fwd_kernel_cl(H, D, T, scale, ctas, pipe=pipe)(q, kv, sink.float(), idx)
+        o2, lse2 = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
-    if pipe:
-        o1, lse1 = fwd_kernel_cl(H, D, T, scale, ctas)(q, kv, sink.float(), idx)
-        assert torch.equal(o1, o) and torch.equal(lse1, lse)
 
 
 def test_sparse_attn_fwd_cl_errors():

@@ -32,7 +32,22 @@ row (holes are zero-filled by the copy's bounds check, not read). Persistent: ``
 count), slot w of cluster g taking queries 2 g + w, 2 g + w + ctas, ...; every barrier's phase runs on across
 a slot's queries. O (bf16) is staged in the last block's stage and stored by TMA; rank 0 stores the LSE.
 
-Shared memory (D = 512): Q halves 2 x 32 KB, stages 2 slots x 2 x 32 KB, receive buffers 2 x 16 KB = 224 KB.
+Shared memory (D = 512): Q halves 2 x 32 KB, stages 2 slots x 2 x 32 KB, receive buffers 2 x 16 KB, hole flags
+1 KB: with the static barriers (padded to 1 KB) exactly the 227 KB a CTA may have, so nothing more fits.
+
+Measured (BENCHMARKS runs 77-79): correct (cosine diff <= 2e-8 against the reference, relaunches bitwise equal),
+but SLOWER than pp: 371 TFLOP/s on the H200 (pp 507-513 in the same process), 380-382 on an H100 (pp 474-504).
+Where the time goes (H100 trace and ablations at the release shape): a block takes ~5000 cycles of a consumer's
+chain, of which the exchange (the peer's partial scores, from the end of the QK to the sum) ~1300-1500, the QK
+~1200 and the softmax with the P V ~1700; without the exchange the same kernel runs 481 (wrong outputs), without
+it and without the gathers 556. The exchange ties each chain to the peer CTA's same chain block by block, so its
+latency (and any skew between the two CTAs) sits on the chain, and two chains an SM do not hide it. A pipelined
+schedule (blocks in pairs, FlashAttention-3's overlap of the next QK with the softmax and of a P V with the next
+exchange; commit e6d78fc) needed a second score tile (240 registers a consumer, the producer spilling at 24) and ran
+284-312 on the H100, slower still; it was removed. Kept as ``impl="cl"`` (opt-in, ``sparse_attn_tl._fwd``): the
+working D-split design, its tests and its bench section (``kernels.bench --only attncl``) for whoever takes the
+exchange further (e.g. a bulk DSMEM copy by one thread instead of 1024 ``st.async`` a block, which needs 16 KB of
+send buffer that does not fit beside two queries' stages).
 """
 import functools
 
@@ -80,8 +95,8 @@ def _cl_smem(H: int, D: int, BI: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64, nreg: tuple | None = None,
-                  pipe: bool = False, diag: str = ""):
+def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64, nreg: tuple = (232, 40),
+                  diag: str = ""):
     """o, lse = fwd(q, kv, sink, idx) on ``ctas`` CTAs in 2-CTA clusters (384 threads each); H == 64, BI == 64,
     TP a multiple of BI. Outputs as ``sparse_attn_tl.fwd_kernel``: o [B, M, H, D] bf16, lse [B, M, H] fp32
     (log2 units of the scaled logits, sink included).
@@ -103,8 +118,6 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         raise ValueError("fwd_kernel_cl: shared memory over 227 KB")
     if not isinstance(ctas, int) or ctas < 2 or ctas % 2:
         raise ValueError(f"fwd_kernel_cl: ctas must be an even number >= 2 (2-CTA clusters), got {ctas!r}")
-    if nreg is None:    # pipe: two score tiles live; at 232 ptxas serialises the WGMMAs (C7512), at 240 the producer
-        nreg = (240, 24) if pipe else (232, 40)         # spills a few addresses to local memory (no C75xx)
     check_nreg("fwd_kernel_cl", nreg)
     DG = set(diag.split("+")) - {""}
     if DG - {"noxchg", "compute", "trace"}:
@@ -115,9 +128,6 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
     if TR and TP > 640:
         raise ValueError("fwd_kernel_cl: diag='trace' keeps 4 stamps a block in the 64 LSE slots: TP <= 640")
     NI = TP // BI
-    PIPE = bool(pipe)
-    if PIPE and NI % 2:
-        raise ValueError("fwd_kernel_cl: pipe=True takes blocks in pairs: TP must be a multiple of 2 * BI")
     DH = D // 2
     c = float(scale) * LOG2E
     XB = H * BI * 4                     # bytes of one partial score tile
@@ -131,11 +141,18 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
                     Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
-    def issue_qk(w, s, z, acc, q_s, kv_s, hole_s):
-        """S_r of the block in stage s into acc, seeded 0 at a slot and -inf at a hole; issued, not waited for."""
-        for h, u in T.Parallel(H, BI):
-            acc[h, u] = T.if_then_else(hole_s[w, s, u] != 0, -T.infinity(F32), 0)
-        T.wgmma_gemm(q_s[z + w, :, :], kv_s[z + w * 2 + s, :, :], acc, transpose_B=True)
+    def issue_qk(w, s, z, acc, q_s, kv_s):
+        """S_r of the block in stage s into acc (a hole's row is zero-filled: 0 there); issued, not waited for."""
+        T.wgmma_gemm(q_s[z + w, :, :], kv_s[z + w * 2 + s, :, :], acc, transpose_B=True, clear_accum=True)
+
+    @T.macro
+    def mask_holes(w, s, acc, hole_s):
+        """S = -inf at the holes of the block in stage s, skipped (warp-uniform) when the block has none: bit 0 of
+        hole_s[w, s, u] flags slot u, bit 1 of slots 0 and 4 says whether the producer's warp 0 / 1 saw any hole
+        (no extra buffer: one more would cost a 1 KB-aligned slot of the full shared memory)."""
+        if T.bitwise_and(T.bitwise_or(hole_s[w, s, 0], hole_s[w, s, 4]), 2) != 0:
+            for h, u in T.Parallel(H, BI):
+                acc[h, u] = T.if_then_else(T.bitwise_and(hole_s[w, s, u], 1) != 0, -T.infinity(F32), acc[h, u])
 
     @T.macro
     def send(w, r, t, gb, acc, recv_s, xbar, xfree):
@@ -193,22 +210,23 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         stamp(40, t0s, Lse, bi, mi, r, t)
 
     @T.macro
-    def blocks_serial(w, r, t, k, z, zs, acc_s, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s, q_free,
-                      kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi):
-        """One block after the other: QK, exchange, softmax, P V, each waited for (``pipe=False``)."""
+    def blocks(w, r, t, k, z, zs, acc_s, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s, q_free, kv_ready,
+               kv_free, xbar, xfree, t0s, Lse, bi, mi):
+        """One block after the other: QK, exchange, softmax, P V, each waited for."""
         for j in T.serial(NI):
             g = k * NI + j                              # the slot's block count: stage g % 2, phases run on
             s = g % 2
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
             T.barrier_wait(kv_ready[w * 2 + s], (g // 2) % 2)
             stamp(4 * j, t0s, Lse, bi, mi, r, t)
-            issue_qk(w, s, z, acc_s, q_s, kv_s, hole_s)
+            issue_qk(w, s, z, acc_s, q_s, kv_s)
             T.wait_wgmma(0)
             if j == NI - 1:
                 T.barrier_arrive(q_free[w])             # the slot's last QK of this query: Q may be reloaded
             stamp(4 * j + 1, t0s, Lse, bi, mi, r, t)
             send(w, r, t, g, acc_s, recv_s, xbar, xfree)
             receive(w, r, t, g, acc_s, recv_s, xbar, xfree)
+            mask_holes(w, s, acc_s, hole_s)
             stamp(4 * j + 2, t0s, Lse, bi, mi, r, t)
             softmax(acc_s, m, m1, a, ls, l)
             T.copy(acc_s, p)
@@ -221,62 +239,9 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
                 T.barrier_arrive(kv_free[w * 2 + s])
 
     @T.macro
-    def blocks_pipe(w, r, t, k, z, zs, acc_s, acc_b, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s, q_free,
-                    kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi):
-        """Pairs of blocks (NI even: block 2i in stage 0, 2i + 1 in stage 1), FlashAttention-3's intra-warpgroup
-        overlap: the next QK runs under a softmax, a P V under the next exchange and softmax; nothing in flight
-        across the loop's back edge (ptxas would serialise every WGMMA). Block 2i's scores are in acc_s (sent)
-        when pair i starts."""
-        g0 = k * NI
-        z = zs[0]
-        T.barrier_wait(kv_ready[w * 2 + 0], (g0 // 2) % 2)
-        stamp(0, t0s, Lse, bi, mi, r, t)
-        issue_qk(w, 0, z, acc_s, q_s, kv_s, hole_s)
-        T.wait_wgmma(0)
-        send(w, r, t, g0, acc_s, recv_s, xbar, xfree)
-        for i in T.serial(NI // 2):
-            ga = g0 + 2 * i
-            z = zs[0]
-            T.barrier_wait(kv_ready[w * 2 + 1], (ga // 2) % 2)
-            issue_qk(w, 1, z, acc_b, q_s, kv_s, hole_s)                 # S_{2i+1} under the softmax of 2i
-            receive(w, r, t, ga, acc_s, recv_s, xbar, xfree)
-            stamp(8 * i + 1, t0s, Lse, bi, mi, r, t)
-            softmax(acc_s, m, m1, a, ls, l)
-            T.copy(acc_s, p)
-            for h, d in T.Parallel(H, DH):
-                acc_o[h, d] *= a[h]
-            T.wait_wgmma(0)                                            # S_{2i+1} done
-            if i == NI // 2 - 1:
-                T.barrier_arrive(q_free[w])                            # the last QK of this query: Q may reload
-            stamp(8 * i + 2, t0s, Lse, bi, mi, r, t)
-            send(w, r, t, ga + 1, acc_b, recv_s, xbar, xfree)
-            T.wgmma_gemm(p, kv_s[z + w * 2 + 0, :, :], acc_o)          # P_{2i} V_{2i} under the next exchange
-            receive(w, r, t, ga + 1, acc_b, recv_s, xbar, xfree)
-            stamp(8 * i + 3, t0s, Lse, bi, mi, r, t)
-            softmax(acc_b, m, m1, a, ls, l)
-            T.wait_wgmma(0)                                            # P_{2i} V_{2i} done: stage 0, p free
-            stamp(8 * i + 4, t0s, Lse, bi, mi, r, t)
-            T.barrier_arrive(kv_free[w * 2 + 0])
-            T.copy(acc_b, p)
-            for h, d in T.Parallel(H, DH):
-                acc_o[h, d] *= a[h]
-            if i < NI // 2 - 1:
-                T.barrier_wait(kv_ready[w * 2 + 0], ((ga + 2) // 2) % 2)
-                stamp(8 * i + 5, t0s, Lse, bi, mi, r, t)
-                issue_qk(w, 0, z, acc_s, q_s, kv_s, hole_s)            # S_{2i+2} beside P_{2i+1} V_{2i+1}
-            T.wgmma_gemm(p, kv_s[z + w * 2 + 1, :, :], acc_o)
-            T.wait_wgmma(0)
-            stamp(8 * i + 6, t0s, Lse, bi, mi, r, t)
-            if i < NI // 2 - 1:
-                T.barrier_arrive(kv_free[w * 2 + 1])
-                send(w, r, t, ga + 2, acc_s, recv_s, xbar, xfree)
-            stamp(8 * i + 7, t0s, Lse, bi, mi, r, t)
-
-    @T.macro
     def consumer(w, r, NQ, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free, kv_ready, kv_free, xbar, xfree, Sink,
                  O, Lse, slot0):
         acc_s = T.alloc_fragment([H, BI], F32)
-        acc_b = T.alloc_fragment([H, BI], F32) if PIPE else None
         p = T.alloc_fragment([H, BI], BF16)
         acc_o = T.alloc_fragment([H, DH], F32)
         m = T.alloc_fragment([H], F32)
@@ -297,12 +262,8 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
             T.fill(l, 0)
             T.fill(m, -1e30)
             T.barrier_wait(q_ready[w], k % 2)
-            if PIPE:
-                blocks_pipe(w, r, t, k, z, zs, acc_s, acc_b, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s,
-                            q_free, kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi)
-            else:
-                blocks_serial(w, r, t, k, z, zs, acc_s, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s,
-                              q_free, kv_ready, kv_free, xbar, xfree, t0s, Lse, bi, mi)
+            blocks(w, r, t, k, z, zs, acc_s, p, acc_o, m, m1, a, ls, l, q_s, kv_s, recv_s, hole_s, q_free, kv_ready,
+                   kv_free, xbar, xfree, t0s, Lse, bi, mi)
             epilogue(w, r, t, k, acc_o, l, m, lo, kv_s, kv_free, t0s, Sink, O, Lse, bi, mi)
 
     @T.macro
@@ -310,6 +271,7 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         """Warps 2w, 2w + 1 of warpgroup 2 (64 threads): slot w's Q halves and KV row halves."""
         tp = T.get_thread_binding() % 64
         src = T.alloc_local([BI // 8], I32)
+        nh = T.alloc_local([1], I32)
         for k in T.serial(NQ):
             n = slot0 + k * ctas
             bi = n // M
@@ -329,9 +291,15 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
                     src[i] = Idx[bi, mi, j * BI + i * 8 + tp // 8]
                 T.barrier_wait(kv_free[w * 2 + s], ((g // 2) % 2) ^ 1)
                 if GA or g < 2:
+                    nh[0] = 0
+                    for i in T.unroll(BI // 8):
+                        nh[0] = nh[0] | T.if_then_else(src[i] < 0, 1, 0)
+                    nh[0] = T.if_then_else(T.any_sync(nh[0]) != 0, 2, 0)   # bit 1: any hole among the warp's rows
                     if tp % 8 == 0:
                         for i in T.unroll(BI // 8):
                             hole_s[w, s, i * 8 + tp // 8] = T.if_then_else(src[i] < 0, 1, 0)
+                    if tp % 32 == 0:                    # tp 0 / 32: slot 0 / 4 (their row i = 0) with the warp's bit
+                        hole_s[w, s, tp // 8] = T.if_then_else(src[0] < 0, 1, 0) + nh[0]
                     for i in T.unroll(BI // 8):         # a hole (-1) fails the bounds check: zero-filled, not read
                         for u in T.unroll(CPR):
                             col = u * 64 + (tp % 8) * 8
@@ -356,7 +324,7 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
             q_s = T.alloc_shared([2, H, DH], BF16)
             kv_s = T.alloc_shared([4, BI, DH], BF16)
             recv_s = T.alloc_shared([2, 8, 128, 4], F32)
-            hole_s = T.alloc_shared([2, 2, BI], I32)
+            hole_s = T.alloc_shared([2, 2, BI], I32)    # a hole flag a slot (+ a block flag, mask_holes)
             zs = T.alloc_shared([1], I32)
             t0s = T.alloc_shared([1], "int64")          # diag="trace": the CTA's start (clock64)
             q_ready = T.alloc_barrier(arrive_count=[64] * 2)

@@ -17,6 +17,10 @@ Forward kernels (``_fwd`` picks, see FWD_DEFAULT):
   TFLOP/s at the release shape, +3.1% over sp on average in the same process (runs 48-56), and as a persistent
   grid of one CTA per SM (FWD_PP_PERSISTENT, where there are more queries than SMs) 490-528 (runs 70-72); what
   limits it, in that file.
+- ``fwd_kernel_cl`` (``impl="cl"``, opt-in; ``sparse_attn_cl_tl``): 2-CTA clusters splitting D, so each consumer
+  warpgroup owns its own query and partial scores cross the cluster by ``st.async``; correct, but 371-382 TFLOP/s
+  at the release shape against pp's 474-513 in the same processes (runs 77-79): the exchange sits on every block's
+  chain. Why, in that file.
 - ``fwd_kernel_sp`` (``sparse_attn_sp_tl``; the default before run 48): the softmax and the P V product on
   different warpgroups, 479.6 TFLOP/s at the release shape (run 31); what limits it, in that file.
 - ``fwd_kernel_ws``, warp-specialised: a producer warpgroup gathers KV blocks into a ring of shared stages
@@ -424,6 +428,9 @@ FWD_DEFAULT = "pp"
 # (scripts/precompile_kernels.py)
 FWD_PP_PERSISTENT = True
 PP_SMS = 132
+# impl="cl": sparse_attn_cl_tl.fwd_kernel_cl (2-CTA clusters splitting D, two queries an SM) on a persistent grid of
+# the SM count rounded down to even, with these options
+FWD_CL_CFG = {}
 # Run 9/10 (release shape): BI=32/4 stages with early_qk 299 TFLOP/s, without 365; BI=64/2 stages 370.
 FWD_WS_CFG = {64: dict(BI=32, stages=4, early_qk=False), 128: dict(BI=64, stages=2, early_qk=False)}
 # impl="seesaw": fwd_kernel_seesaw (H = 64, same shapes as ws_fits); its running max moves once per BI
@@ -441,7 +448,9 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     (64-head multiples only): same math, P rounded against other running maxima (1-2 ulp apart on
     ~1% of outputs), measured 313 vs 293 TFLOP/s at the release shape (lock-step kernel).
 
-    impl (default FWD_DEFAULT): "pp" runs fwd_kernel_pp (sparse_attn_pp_tl) for block 64 where pp_fits (a
+    impl (default FWD_DEFAULT): "cl" runs fwd_kernel_cl (sparse_attn_cl_tl: 2-CTA clusters splitting D) with
+    FWD_CL_CFG for block 64 where cl_fits (T padded to 128), on a persistent grid of the SM count rounded down to
+    even, else falls back as "pp" does; "pp" runs fwd_kernel_pp (sparse_attn_pp_tl) for block 64 where pp_fits (a
     persistent grid of one CTA per SM when FWD_PP_PERSISTENT, there are more queries than SMs and its two index
     rows fit), else falls back as "sp" does; "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
     block BI = 64 is the release's), else falls back as "ws" does; "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
@@ -450,25 +459,30 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     the release's recurrence), else fwd_kernel; "lockstep" always runs fwd_kernel."""
     B, M, H, D = q.shape
     impl = impl or FWD_DEFAULT
-    if impl not in ("pp", "sp", "ws", "lockstep", "seesaw"):
-        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'pp', 'sp', 'ws', 'seesaw' or 'lockstep'")
+    if impl not in ("cl", "pp", "sp", "ws", "lockstep", "seesaw"):
+        raise ValueError(f"sparse_attn fwd impl {impl!r}: 'cl', 'pp', 'sp', 'ws', 'seesaw' or 'lockstep'")
     block = 128 if (block == 128 and H % 64 == 0) else 64
     from .sparse_attn_sp_tl import FWD_SP_CFG, fwd_kernel_sp, sp_fits
     from .sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
+    from .sparse_attn_cl_tl import cl_fits, fwd_kernel_cl
     BI = FWD_SP_CFG["BI"]
-    if impl == "pp" and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
+    if impl == "cl" and block == 64 and cl_fits(H, D, -(-idx.shape[-1] // 128) * 128):
+        idx = _pad_idx(idx, 128)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
+        k = fwd_kernel_cl(H, D, idx.shape[-1], float(scale), sms // 2 * 2, **FWD_CL_CFG)
+    elif impl in ("pp", "cl") and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
         ctas = sms if FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], ctas=sms) else 0
         k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas)
-    elif impl in ("sp", "pp") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
+    elif impl in ("sp", "pp", "cl") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
         idx = _pad_idx(idx, BI)
         k = fwd_kernel_sp(H, D, idx.shape[-1], float(scale), **FWD_SP_CFG)
     elif impl == "seesaw" and ws_fits(H, D):
         from .sparse_attn_seesaw_tl import fwd_kernel_seesaw
         idx = _pad_idx(idx, 2 * FWD_SEESAW_CFG["BI"])
         k = fwd_kernel_seesaw(H, D, idx.shape[-1], float(scale), **FWD_SEESAW_CFG)
-    elif impl in ("ws", "sp", "pp") and ws_fits(H, D):
+    elif impl in ("ws", "sp", "pp", "cl") and ws_fits(H, D):
         cfg = FWD_WS_CFG[block]
         idx = _pad_idx(idx, 2 * cfg["BI"])
         k = fwd_kernel_ws(H, D, idx.shape[-1], float(scale), **cfg)
