@@ -371,4 +371,3 @@ def attention_cl(results, args):
     f_ = 2 * B * M * H * T_ * 2 * D
     b_ = q.numel() * 4 + B * M * T_ * (D * 2 + 4)
     one(f"  cl ctas={sms}, {T_} random slots a query", cl.fwd_kernel_cl(H, D, T_, scale, sms), ir, f_, b_, False)
-

@@ -89,9 +89,9 @@ __device__ __forceinline__ void dsv41_arrive_expect_tx(void* bar, unsigned bytes
 
 
 def _cl_smem(H: int, D: int, BI: int) -> int:
-    """fwd_kernel_cl's shared memory in bytes (one CTA: its D half)."""
+    """fwd_kernel_cl's shared memory in bytes (one CTA: its D half): Q halves, stages, receive buffers, hole flags."""
     DH = D // 2
-    return 2 * H * DH * 2 + 4 * BI * DH * 2 + 2 * H * BI * 4 + 4 * BI
+    return 2 * H * DH * 2 + 4 * BI * DH * 2 + 2 * H * BI * 4 + 2 * 2 * BI * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +132,10 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
     c = float(scale) * LOG2E
     XB = H * BI * 4                     # bytes of one partial score tile
     CPR = DH // 8 // 8                  # 16-byte chunks a producer thread copies per row (8 threads a row)
+
+    def n_queries(slot):
+        """Queries of query slot ``slot`` (slot, slot + ctas, ...; 0 where the grid outnumbers them)."""
+        return (B * M - slot + ctas - 1) // ctas
 
     @T.macro
     def stamp(slot, t0s, Lse, bi, mi, r, t):
@@ -342,20 +346,19 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
                     t0s[0] = T.call_extern("int64", "clock64")
             T.sync_threads()
             if tx < 128:
-                consumer(0, r, (B * M - 2 * cl + ctas - 1) // ctas, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free,
-                         kv_ready, kv_free, xbar, xfree, Sink, O, Lse, 2 * cl)
+                consumer(0, r, n_queries(2 * cl), t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free, kv_ready,
+                         kv_free, xbar, xfree, Sink, O, Lse, 2 * cl)
             elif tx < 256:
-                consumer(1, r, (B * M - 2 * cl - 1 + ctas - 1) // ctas, t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready,
-                         q_free, kv_ready, kv_free, xbar, xfree, Sink, O, Lse, 2 * cl + 1)
+                consumer(1, r, n_queries(2 * cl + 1), t0s, zs, q_s, kv_s, recv_s, hole_s, q_ready, q_free, kv_ready,
+                         kv_free, xbar, xfree, Sink, O, Lse, 2 * cl + 1)
             else:
                 T.set_max_nreg(nreg[1], 0)
                 if tx < 320:
-                    NQ0 = (B * M - 2 * cl + ctas - 1) // ctas
-                    producer(0, r, NQ0, q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV, Idx, 2 * cl)
+                    producer(0, r, n_queries(2 * cl), q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV,
+                             Idx, 2 * cl)
                 else:
-                    NQ1 = (B * M - 2 * cl - 1 + ctas - 1) // ctas
-                    producer(1, r, NQ1, q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q, KV, Idx,
-                             2 * cl + 1)
+                    producer(1, r, n_queries(2 * cl + 1), q_s, kv_s, hole_s, q_ready, q_free, kv_ready, kv_free, Q,
+                             KV, Idx, 2 * cl + 1)
             T.cluster_sync()                            # the peer's last remote stores / arrivals landed
 
     return compile_kernel(sparse_attn_fwd_cl, out_idx=[4, 5])

@@ -466,13 +466,12 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     from .sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
     from .sparse_attn_cl_tl import cl_fits, fwd_kernel_cl
     BI = FWD_SP_CFG["BI"]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
     if impl == "cl" and block == 64 and cl_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
         k = fwd_kernel_cl(H, D, idx.shape[-1], float(scale), sms // 2 * 2, **FWD_CL_CFG)
     elif impl in ("pp", "cl") and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else PP_SMS
         ctas = sms if FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], ctas=sms) else 0
         k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas)
     elif impl in ("sp", "pp", "cl") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
