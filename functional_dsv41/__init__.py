@@ -56,6 +56,7 @@ _LAZY = {
     "ForwardOutput": "functional_dsv41.model",
     "init_state": "functional_dsv41.state",
     "clone_state": "functional_dsv41.state",
+    "state_nbytes": "functional_dsv41.state",
     "DecodeState": "functional_dsv41.state",
     "generate": "functional_dsv41.generate",
     "dspark_forward": "functional_dsv41.dspark",

@@ -130,6 +130,7 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
         raise ValueError(f"generate: seed must be an integer, got {seed!r}") from None
     dev = params["embed"]["weight"].device
     b = len(prompts)
+    state = init_state(cfg, b, max_seq_len or total, device=dev)   # first: refuses a state that cannot fit
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
@@ -139,7 +140,6 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     if images is not None or token_types is not None:
         first = _image_batch(prompts, images, token_types, int(lens.min()), cfg, dev)
     g = torch.Generator(device=dev).manual_seed(int(seed))
-    state = init_state(cfg, b, max_seq_len or total, device=dev)
     kw = dict(mode=mode, impl=impl, dispatch=dispatch)
     t0 = time.perf_counter()
     run = _speculative if speculative else _plain
@@ -390,6 +390,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.stdout.flush()
             shown[0] = text
 
+    from .state import check_state_fits
+    try:                                         # before the prompt is echoed: a state that cannot fit
+        check_state_fits(cfg, 1, len(ids) + args.max_new_tokens, device=params["embed"]["weight"].device,
+                         who="--max-new-tokens")
+    except ValueError as e:
+        return fail(str(e))
     sys.stdout.write(args.prompt)
     res = generate(params, [ids], cfg=cfg, max_new_tokens=args.max_new_tokens, temperature=temperature,
                    top_p=args.top_p, eos_id=eos, seed=args.seed, speculative=args.speculative,

@@ -111,10 +111,64 @@ def config_id(cfg: Config) -> str:
     return hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def state_nbytes(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None) -> int:
+    """Bytes ``init_state(cfg, batch_size, max_seq_len)`` allocates, computed without allocating
+    (``state_bytes`` of that state): windows and compressed histories bf16, partial groups fp32, n-gram tail int64."""
+    b = _positive_int("batch_size", batch_size)
+    n_tok = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
+    ring = b * cfg.window_size * cfg.head_dim * 2
+    total = ring * (len(cfg.layer_ids) + len(cfg.dspark_layer_ids))
+    for L in cfg.layer_ids:
+        if L in cfg.kv_source_layers:
+            r = cfg.compress_ratio(L)
+            total += b * (n_tok // r) * (cfg.head_dim + cfg.index_head_dim) * 2
+            if r > 1:
+                total += 2 * b * r * cfg.head_dim * 4
+    if cfg.engram_layer_ids:
+        total += b * (cfg.engram_max_ngram_size - 1) * 8
+    return total
+
+
+def free_bytes(device=None) -> Optional[int]:
+    """Memory a new allocation on ``device`` can still get: CUDA free memory plus what torch's caching
+    allocator holds unused; on the CPU, Linux's MemAvailable. None where it cannot be read (no check then)."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        free, _ = torch.cuda.mem_get_info(idx)
+        return free + torch.cuda.memory_reserved(idx) - torch.cuda.memory_allocated(idx)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_state_fits(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, *, device=None,
+                     who: str = "init_state") -> None:
+    """Refuse a state larger than the memory ``device`` has free, before anything is allocated: a huge
+    ``max_seq_len`` (a typo, ``--max-new-tokens 10**9``) would otherwise fail deep inside torch or, on a
+    Linux host, get the process (a notebook's kernel) killed by the OOM killer while the zeros are written."""
+    need = state_nbytes(cfg, batch_size, max_seq_len)
+    free = free_bytes(device)
+    if free is not None and need > free:
+        n_tok = cfg.max_seq_len if max_seq_len is None else max_seq_len
+        raise ValueError(f"{who}: a decode state for {batch_size} row(s) of {n_tok} tokens needs "
+                         f"{need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free on "
+                         f"{torch.device('cpu' if device is None else device)}; ask for fewer tokens "
+                         f"(max_seq_len / max_new_tokens) or rows")
+
+
 def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, *, device=None) -> DecodeState:
-    """An empty state for ``batch_size`` rows of up to ``max_seq_len`` tokens (default cfg.max_seq_len)."""
+    """An empty state for ``batch_size`` rows of up to ``max_seq_len`` tokens (default cfg.max_seq_len).
+    Raises ValueError when it would not fit the memory ``device`` has free (``check_state_fits``)."""
     batch_size = _positive_int("batch_size", batch_size)
     max_seq_len = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
+    check_state_fits(cfg, batch_size, max_seq_len, device=device)
     b, W, D = batch_size, cfg.window_size, cfg.head_dim
     bf16 = torch.bfloat16
 

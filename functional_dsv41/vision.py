@@ -124,14 +124,43 @@ def encode_image(params: dict, patches: torch.Tensor, grid: tuple[int, int], *, 
 
 
 # ------------------------------------------------------------------------------------------- merge
-def _row_images(entry) -> list:
+def _is_image(e) -> bool:
+    """``(patches tensor, (n_vit_h, n_vit_w))`` as ``image_processor.load_image`` returns it."""
+    return (isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], torch.Tensor)
+            and isinstance(e[1], (tuple, list, torch.Size)) and len(e[1]) == 2)
+
+
+def _row_images(entry, row: int) -> list:
+    """One row's entry of batch["images"] (None, one image, or a list of images; an image may also be a
+    dict with "patches" and "grid") as a list of ``(patches, grid)``; anything else is refused by name
+    (a bare patches tensor would otherwise be read as one image per patch)."""
     if entry is None:
         return []
-    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], torch.Tensor):
+    if _is_image(entry):
         return [entry]
     if isinstance(entry, dict):
-        return [(entry["patches"], tuple(entry["grid"]))]
-    return [(e["patches"], tuple(e["grid"])) if isinstance(e, dict) else e for e in entry]
+        entry = [entry]
+    if not isinstance(entry, (list, tuple)):
+        raise ValueError(f"forward: batch['images'][{row}] must be None or a list of (patches, (n_vit_h, n_vit_w)) "
+                         f"images (image_processor.load_image), got {type(entry).__name__}")
+    out = []
+    for j, e in enumerate(entry):
+        if isinstance(e, dict) and {"patches", "grid"} <= e.keys():
+            e = (e["patches"], tuple(e["grid"]))
+        if not _is_image(e):
+            raise ValueError(f"forward: batch['images'][{row}][{j}] must be an image (patches tensor, (n_vit_h, "
+                             f"n_vit_w)) as image_processor.load_image returns, got {_describe(e)}")
+        out.append(e)
+    return out
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor {tuple(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}: (" + ", ".join(_describe(v) for v in x[:3]) + \
+            (", ..." if len(x) > 3 else "") + ")"
+    return type(x).__name__
 
 
 def image_spans(types_row: list[int], row: int) -> list[tuple[int, int]]:
@@ -187,6 +216,10 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
     if tt is None:
         raise ValueError("forward: batch has 'images' but no 'token_types' (int64 [b, s]: -1 text, 0 IMAGE_START, "
                          "1 IMAGE, 2 IMAGE_NEW_LINE, 3 IMAGE_END); see image_processor.expand_image_tokens")
+    if _is_image(images):
+        raise ValueError(f"forward: batch['images'] is one image (patches, grid); it takes one entry per row "
+                         f"({b}), each a list of that row's images: e.g. [[(patches, grid)]" +
+                         ", None" * (b - 1) + "]")
     if not isinstance(images, (list, tuple)) or len(images) != b:
         raise ValueError(f"forward: batch['images'] must be a list with one entry per row ({b}), "
                          f"got {type(images).__name__}" + (f" of {len(images)}" if hasattr(images, '__len__') else ""))
@@ -198,7 +231,7 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
     delim = None                    # the delimiter rows, read when there is an image (vision params only then)
     n_img = 0
     for r in range(b):
-        imgs = _row_images(images[r])
+        imgs = _row_images(images[r], r)
         spans = image_spans(types[r], r)
         if len(spans) != len(imgs):
             raise ValueError(f"forward: row {r} has {len(spans)} image spans in token_types but {len(imgs)} images")

@@ -163,6 +163,35 @@ def test_bad_input():
                     speculative=True)
 
 
+def test_a_state_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+    """init_state (and so generate) checks the state's size against the device's free memory first: a huge
+    max_seq_len must be a clear ValueError, not an allocation failure deep in torch or the OOM killer."""
+    from functional_dsv41 import state as st
+    cfg, params = random_model()
+    assert cfg.engram_layer_ids and cfg.n_mtp_layers          # every kind of buffer is counted
+    for b, n in ((1, 16), (3, 64), (2, 100)):
+        assert st.state_nbytes(cfg, b, n) == st.state_bytes(fd.init_state(cfg, b, n))
+    with pytest.raises(ValueError, match=r"needs [0-9.]+ GiB, more than the [0-9.]+ GiB free on cpu"):
+        fd.init_state(cfg, 1, 10**12)
+    with pytest.raises(ValueError, match=r"GiB free on cpu; ask for fewer tokens"):
+        fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=10**12)
+    need = st.state_nbytes(cfg, 2, 64)                        # the boundary, with the free memory pinned
+    monkeypatch.setattr(st, "free_bytes", lambda device=None: need - 1)
+    with pytest.raises(ValueError, match="for 2 row"):
+        fd.init_state(cfg, 2, 64)
+    monkeypatch.setattr(st, "free_bytes", lambda device=None: need)
+    assert fd.init_state(cfg, 2, 64).max_seq_len == 64
+
+
+def test_cli_refuses_max_new_tokens_past_memory(capsys):
+    import importlib
+    gm = importlib.import_module("functional_dsv41.generate")
+    rc = gm.main(["--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", "--max-new-tokens", str(10**12)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""                              # nothing echoed, nothing generated
+    assert err.startswith("error: --max-new-tokens: a decode state for 1 row(s) of") and "GiB free" in err
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_cli(speculative):
     d = fixture_dir("tiny-bf16")

@@ -270,6 +270,20 @@ def test_bad_image_inputs():
         fd.forward(params, dict(b, images=[[img], [img]]), cfg=cfg)
     with pytest.raises(ValueError, match="one entry per row"):
         fd.forward(params, dict(b, images=[[img]]), cfg=cfg)
+    # one image passed as the whole images entry (a tuple of 2 = b rows would read each patch as an image)
+    with pytest.raises(ValueError, match=r"is one image \(patches, grid\).*\[\[\(patches, grid\)\], None\]"):
+        fd.forward(params, dict(b, images=img), cfg=cfg)
+    # malformed entries are named by row and position
+    with pytest.raises(ValueError, match=r"images'\]\[1\] must be None or a list .* got Tensor"):
+        fd.forward(params, dict(b, images=[img, img[0]]), cfg=cfg)
+    with pytest.raises(ValueError, match=r"images'\]\[0\]\[0\] must be an image .* got a tensor \(35, 3, 14, 14\)"):
+        fd.forward(params, dict(b, images=[[img[0]], None]), cfg=cfg)
+    with pytest.raises(ValueError, match=r"images'\]\[0\]\[0\] must be an image .* got a tuple of 2: \(a tensor"):
+        fd.forward(params, dict(b, images=[[(img[0], 5)], None]), cfg=cfg)
+    # the dict form of an image is the tuple's
+    as_dict = [[{"patches": img[0], "grid": img[1]}], None]
+    assert torch.equal(fd.forward(params, dict(b, images=as_dict), cfg=cfg).logits,
+                       fd.forward(params, dict(b, images=[[img], None]), cfg=cfg).logits)
     # a span cut by the chunk end
     with pytest.raises(ValueError, match="does not end in this chunk"):
         fd.forward(params, {"input_ids": b["input_ids"][:, :10], "token_types": b["token_types"][:, :10],
