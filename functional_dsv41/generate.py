@@ -36,7 +36,7 @@ from .config import Config
 from .dspark import dspark_draft, dspark_prefill, probs, sample_logits
 from .model import forward
 from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
-from .state import init_state
+from .state import check_state_fits, init_state
 
 
 class GenerateResult(list):
@@ -130,7 +130,8 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
         raise ValueError(f"generate: seed must be an integer, got {seed!r}") from None
     dev = params["embed"]["weight"].device
     b = len(prompts)
-    state = init_state(cfg, b, max_seq_len or total, device=dev)   # first: refuses a state that cannot fit
+    check_state_fits(cfg, b, max_seq_len or total, device=dev, who="generate")   # before any allocation
+    state = init_state(cfg, b, max_seq_len or total, device=dev)
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
@@ -390,7 +391,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.stdout.flush()
             shown[0] = text
 
-    from .state import check_state_fits
     try:                                         # before the prompt is echoed: a state that cannot fit
         check_state_fits(cfg, 1, len(ids) + args.max_new_tokens, device=params["embed"]["weight"].device,
                          who="--max-new-tokens")

@@ -173,7 +173,7 @@ def test_a_state_that_cannot_fit_is_refused_before_allocating(monkeypatch):
         assert st.state_nbytes(cfg, b, n) == st.state_bytes(fd.init_state(cfg, b, n))
     with pytest.raises(ValueError, match=r"needs [0-9.]+ GiB, more than the [0-9.]+ GiB free on cpu"):
         fd.init_state(cfg, 1, 10**12)
-    with pytest.raises(ValueError, match=r"GiB free on cpu; ask for fewer tokens"):
+    with pytest.raises(ValueError, match=r"^generate: a decode state .* GiB free on cpu; ask for fewer tokens"):
         fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=10**12)
     need = st.state_nbytes(cfg, 2, 64)                        # the boundary, with the free memory pinned
     monkeypatch.setattr(st, "free_bytes", lambda device=None: need - 1)
