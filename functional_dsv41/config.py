@@ -35,6 +35,14 @@ def _release_ratios() -> tuple[int, ...]:
     return (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
 
 
+def require_config(cfg, who: str) -> None:
+    """A TypeError naming the caller when ``cfg`` is not a Config (a path or a dict failed later with an
+    AttributeError such as "'str' object has no attribute 'max_seq_len'")."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{who}: cfg must be a functional_dsv41.Config (fd.Config.from_json(path), "
+                        f"fd.Config.from_dict(d), fd.Config.tiny()), got {type(cfg).__name__}")
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
     the new one, never a torn one (``Config.to_json`` and train/run.py's record files)."""

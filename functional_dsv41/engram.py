@@ -63,7 +63,18 @@ def build_token_map(tokenizer_json_path: str | os.PathLike, *,
     classes the config asserts (``cfg.engram_compressed_vocab_size``); a mismatch is a ValueError.
     """
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(os.fspath(tokenizer_json_path))
+    path = os.fspath(tokenizer_json_path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"build_token_map: no tokenizer file at {path}"
+                                + (" (a folder: pass its tokenizer.json)" if os.path.isdir(path) else ""))
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:                       # the tokenizers library raises a bare Exception
+        with open(path, "rb") as fh:
+            lfs = fh.read(40).startswith(b"version https://git-lfs")
+        raise ValueError(f"build_token_map: {path}: cannot read it as a tokenizer.json ({e})"
+                         + ("; it is a git-lfs pointer (cloned without git-lfs: run git lfs pull)" if lfs else "")
+                         ) from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     texts = tok.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
     norm = _key_normalizer()

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .config import Config
+from .config import Config, require_config
 from .dspark import dspark_draft, dspark_prefill, probs, sample_logits
 from .model import forward
 from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
@@ -58,6 +58,17 @@ def _token_id(t, vocab_size: int) -> Optional[int]:
     return t if 0 <= t < vocab_size else None
 
 
+def _int_at_least_1(name: str, v) -> int:
+    """``v`` as an int >= 1 (Python, numpy or 0-d torch integers; not bools or floats)."""
+    try:
+        n = operator.index(v)
+    except TypeError:
+        n = None
+    if n is None or isinstance(v, bool) or n < 1:
+        raise ValueError(f"generate: {name} must be an int >= 1, got {v!r}")
+    return n
+
+
 def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Optional[int]):
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
         prompts = [prompts] if prompts.ndim <= 1 else list(prompts)     # 0-d: refused below, with a hint
@@ -81,8 +92,9 @@ def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Option
             raise ValueError(f"generate: prompt {i} holds {bad!r}, not a token id "
                              f"(an integer in [0, {cfg.vocab_size}))")
         out.append(ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    max_new_tokens = _int_at_least_1("max_new_tokens", max_new_tokens)
+    if max_seq_len is not None:
+        max_seq_len = _int_at_least_1("max_seq_len", max_seq_len)
     total = max(len(p) for p in out) + max_new_tokens
     if max_seq_len is not None and total > max_seq_len:
         raise ValueError(f"generate: the longest prompt ({max(len(p) for p in out)}) + max_new_tokens "
@@ -111,7 +123,11 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     the prompts (token_types per row, prompt length each); every image span must lie inside the first
     prefill chunk (the shortest prompt), as in the reference. Returns a ``GenerateResult``.
     """
+    require_config(cfg, "generate")
     prompts, total = _prep_prompts(prompts, cfg, max_new_tokens, max_seq_len)
+    if stream is not None and not callable(stream):
+        raise TypeError(f"generate: stream must be a callable (called with each step's tokens), got "
+                        f"{type(stream).__name__}")
     if not _real(temperature) or not _real(top_p) or temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
     if cfg.engram_layer_ids and "engram_token_map" not in params:
@@ -128,6 +144,8 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
         seed = operator.index(seed)
     except TypeError:
         raise ValueError(f"generate: seed must be an integer, got {seed!r}") from None
+    if not -2**63 <= seed < 2**64:               # what torch.Generator takes ("Overflow when unpacking long long")
+        raise ValueError(f"generate: seed must be in [-2**63, 2**64), got {seed}")
     dev = params["embed"]["weight"].device
     b = len(prompts)
     check_state_fits(cfg, b, max_seq_len or total, device=dev, who="generate")   # before any allocation

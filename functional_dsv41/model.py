@@ -16,6 +16,7 @@ indexer, n-grams).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,12 +27,12 @@ from . import engram as engram_mod
 from . import vision
 from .attention import attention
 from .compressor import Chunk
-from .config import Config
+from .config import Config, require_config
 from .hyper import hc_mixes, hc_post, hc_pre
 from .invariant import linear_rows
 from .moe import moe
 from .norm import rms_norm
-from .pytree import register_carrier
+from .pytree import flatten_with_paths, register_carrier
 from .state import DecodeState, SharedAttention, begin_append, check_current, config_id, finish_append
 
 
@@ -150,7 +151,9 @@ def _check_batch(batch) -> None:
                          f"and {list(LOSS_KEYS)}, which the training loss reads)")
 
 
-def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
+def _check_ids(batch: dict) -> None:
+    """input_ids' type, dtype and rank: host-only, so run even with ``validate=False`` (a float id was
+    truncated to an integer silently there, 1-D ids failed with "not enough values to unpack")."""
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"forward: input_ids must be a tensor, got {type(ids).__name__}")
@@ -158,27 +161,63 @@ def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[Decode
         raise TypeError(f"forward: input_ids must be an integer tensor, got {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"forward: input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
-    b, s = ids.shape
-    if b == 0 or s == 0:
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"forward: empty input_ids of shape {tuple(ids.shape)}")
+
+
+def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
+    ids = batch["input_ids"]
+    b, s = ids.shape
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"forward: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
     if state is None and s > cfg.max_seq_len:
         raise ValueError(f"forward: chunk of {s} tokens at position 0 runs past max_seq_len {cfg.max_seq_len}")
-    emb = params.get("embed", {}).get("weight") if isinstance(params, dict) else None
-    if emb is None or tuple(emb.shape) != (cfg.vocab_size, cfg.dim):
-        got = None if emb is None else tuple(emb.shape)
-        raise ValueError(f"forward: params do not match the config: embed.weight is {got}, "
-                         f"expected {(cfg.vocab_size, cfg.dim)}")
-    if len(params.get("layers", ())) != cfg.n_layers:
-        raise ValueError(f"forward: params have {len(params.get('layers', ()))} layers, config has {cfg.n_layers}")
-    for L in cfg.layer_ids:
-        hc = params["layers"][L].get("hc_attn_fn")
-        if hc is None or tuple(hc.shape) != (cfg.n_hc_mix, cfg.hc_dim):
-            raise ValueError(f"forward: params do not match the config at layers.{L}.hc_attn_fn: "
-                             f"{None if hc is None else tuple(hc.shape)}, expected {(cfg.n_hc_mix, cfg.hc_dim)}")
+    _check_params(params, cfg)
+
+
+# the stages and the vision tower are read only by dspark_forward / with images: absent is fine for forward
+_OPTIONAL_PARAMS = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(cfg: Config) -> dict:
+    """{path: logical shape} of every weight of ``param_spec(cfg)`` (scales left out: master trees have none)."""
+    from .params.spec import spec_entries
+    return {e.name: tuple(e.logical) for e in spec_entries(cfg) if e.fmt != "scale"}
+
+
+def _check_params(params, cfg: Config) -> None:
+    """The params' shapes against the config (host-only, ``param_spec``'s logical shapes, fp4 unpacked): a
+    config changed in a notebook without new params failed deep inside torch ("shape '[1, 6, 8, 64]' is
+    invalid"), with a KeyError, or ran on the params' own sizes, ignoring the config."""
+    if not isinstance(params, dict):
+        raise TypeError(f"forward: params must be the parameter tree (a dict, fd.init_params / fd.load_params), "
+                        f"got {type(params).__name__}")
+    n = len(params.get("layers", ()))
+    if n != cfg.n_layers:
+        raise ValueError(f"forward: params have {n} layers, config has {cfg.n_layers}")
+    flat = flatten_with_paths(params)
+    problems = []
+    for name, want in _param_shapes(cfg).items():
+        t = flat.get(name)
+        if t is None:
+            if not name.startswith(_OPTIONAL_PARAMS):
+                problems.append(f"{name} is missing (expected {want})")
+            continue
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name} is a {type(t).__name__}, not a tensor")
+            continue
+        got = tuple(t.shape)
+        if t.dtype == torch.float4_e2m1fn_x2 and got:
+            got = (*got[:-1], 2 * got[-1])
+        if got != want:
+            problems.append(f"{name} is {got}, expected {want}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"forward: params do not match the config ({len(problems)} problem(s)): "
+                         + "; ".join(problems[:3]) + more + " - params built for another config?")
 
 
 def _check_state_fits(batch: dict, cfg: Config, state: Optional[DecodeState]) -> None:
@@ -248,8 +287,10 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     Under reverse-mode autograd (the new rows or the state's history require grad) the history is copied rather
     than appended in place, so that gradients reach the rows earlier chunks wrote.
     """
+    require_config(cfg, "forward")
     _check_state(state)
     _check_batch(batch)
+    _check_ids(batch)
     if validate:
         _check_inputs(params, batch, cfg, state)
     _check_state_fits(batch, cfg, state)

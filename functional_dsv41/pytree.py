@@ -245,6 +245,8 @@ def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
     error above it, or any differing byte of a bytewise-compared tensor, marks the row ``value``.
     Non-tensor leaves are compared with ``==``.
     """
+    if atol is not None and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0):
+        raise TypeError(f"tree_diff: atol must be None or a number >= 0, got {atol!r}")
     fa, fb = flatten_with_paths(a), flatten_with_paths(b)
     rows = []
     for path in list(fa) + [p for p in fb if p not in fa]:

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .config import Config
+from .config import Config, require_config
 from .pytree import register_carrier
 
 
@@ -114,6 +114,7 @@ def config_id(cfg: Config) -> str:
 def state_nbytes(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None) -> int:
     """Bytes ``init_state(cfg, batch_size, max_seq_len)`` allocates, computed without allocating
     (``state_bytes`` of that state): windows and compressed histories bf16, partial groups fp32, n-gram tail int64."""
+    require_config(cfg, "state_nbytes")
     b = _positive_int("batch_size", batch_size)
     n_tok = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
     ring = b * cfg.window_size * cfg.head_dim * 2
@@ -166,6 +167,7 @@ def check_state_fits(cfg: Config, batch_size: int, max_seq_len: Optional[int] = 
 def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, *, device=None) -> DecodeState:
     """An empty state for ``batch_size`` rows of up to ``max_seq_len`` tokens (default cfg.max_seq_len).
     Raises ValueError when it would not fit the memory ``device`` has free (``check_state_fits``)."""
+    require_config(cfg, "init_state")
     batch_size = _positive_int("batch_size", batch_size)
     max_seq_len = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
     check_state_fits(cfg, batch_size, max_seq_len, device=device)

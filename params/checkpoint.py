@@ -404,6 +404,12 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     """
     _need_config(cfg, "save_params")
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"save_params: {path} is a file; save_params writes a folder (config.json, "
+                              f"*.safetensors): pass a folder path", [])
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, (int, float)) or \
+            not max_shard_bytes > 0:
+        raise CheckpointError(f"save_params: max_shard_bytes must be a number > 0, got {max_shard_bytes!r}", [])
     flat = {k: v for k, v in flatten_with_paths(params).items() if k != TOKEN_MAP}
     entries = spec_entries(cfg)
     bad = [k for k, v in flat.items() if not isinstance(v, torch.Tensor)]

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from functional_dsv41 import quant
-from functional_dsv41.config import Config
+from functional_dsv41.config import Config, require_config
 from functional_dsv41.pytree import unflatten_from_paths
 
 from .spec import Entry, _entries, master_dtype
@@ -41,6 +41,18 @@ def _draw(e: Entry, gen: torch.Generator) -> torch.Tensor:
 
 
 _QUANTIZERS = {"fp8": quant.quant_fp8_block, "fp4": quant.quant_fp4, "rows": quant.quant_fp8_rows}
+
+
+def _seed(seed) -> int:
+    """An integer seed torch.Generator takes; int(1.5) was seed 1 silently, 2**70 an OverflowError."""
+    import operator
+    try:
+        n = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"init_params: seed must be an integer, got {seed!r}") from None
+    if not -2**63 <= n < 2**64:
+        raise ValueError(f"init_params: seed must be in [-2**63, 2**64), got {n}")
+    return n
 
 
 def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
@@ -67,8 +79,10 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     is stored at ``params["engram_token_map"]`` (``forward`` needs it; ``load_params`` does the same
     from a checkpoint folder). Its class count must equal ``cfg.engram_compressed_vocab_size``.
     """
+    require_config(cfg, "init_params")
+    seed = _seed(seed)
     as_master = master or dtype_master is not None
-    gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(int(seed))
+    gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(seed)
     flat = {}
     for e in _entries(cfg):
         if e.fmt == "scale":

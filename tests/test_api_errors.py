@@ -236,3 +236,106 @@ def test_generate_refuses_a_0d_prompt(model):
     for bad in (torch.tensor(5), np.array(5)):
         with pytest.raises(ValueError, match=r"list of token-id lists.*prompt 0 is .*5.*\[ids\]"):
             fd.generate(params, bad, cfg=cfg, max_new_tokens=1)
+
+
+# ----------------------------------------------------------------------------- params, config and seeds
+def test_forward_checks_the_params_against_the_config(model):
+    """A config changed without new params: every mismatched tensor named (it failed deep inside torch, with a
+    KeyError, or ran on the params' own sizes, ignoring the config)."""
+    cfg, params = model
+    batch = {"input_ids": torch.tensor([[1, 2, 3]])}
+    with pytest.raises(ValueError, match=r"params do not match the config \(\d+ problem\(s\)\): "
+                                         r"layers\.0\.attn\.attn_sink is \(4,\), expected \(8,\)"):
+        fd.forward(params, batch, cfg=cfg.replace(n_heads=8, o_groups=2))
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.0\.w1\.weight is \(32, 128\), expected \(64, 128\)"):
+        fd.forward(params, batch, cfg=cfg.replace(moe_inter_dim=64))       # ran silently before
+    with pytest.raises(ValueError, match=r"layers\.5\.engram\.embed\.weight is missing"):
+        fd.forward(params, batch, cfg=cfg.replace(engram_layer_ids=(1, 5), engram_num_embeddings=(2514, 2712)))
+    no_head = {k: v for k, v in params.items() if k != "head"}
+    with pytest.raises(ValueError, match=r"head\.weight is missing"):
+        fd.forward(no_head, batch, cfg=cfg)
+    # master trees (no scales) and trees without the draft stages are what forward reads: accepted
+    master = fd.init_params(cfg, seed=0, master=True)
+    master["engram_token_map"] = params["engram_token_map"]
+    assert fd.forward(master, batch, cfg=cfg).logits.shape == (1, 3, cfg.vocab_size)
+    no_mtp = {k: v for k, v in params.items() if k != "mtp"}
+    assert torch.equal(fd.forward(no_mtp, batch, cfg=cfg).logits, fd.forward(params, batch, cfg=cfg).logits)
+
+
+def test_input_ids_type_and_rank_are_checked_even_without_validate(model):
+    cfg, params = model
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor, got torch.float32"):
+        fd.forward(params, {"input_ids": torch.tensor([[1.7, 2.9]])}, cfg=cfg, validate=False)   # ran as [[1, 2]]
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\], got shape \(1,\)"):
+        fd.forward(params, {"input_ids": torch.tensor([3])}, cfg=cfg, validate=False)
+    with pytest.raises(TypeError, match="input_ids must be a tensor, got list"):
+        fd.forward(params, {"input_ids": [[1, 2]]}, cfg=cfg, validate=False)
+
+
+@pytest.mark.parametrize("call", ["forward", "init_state", "init_params", "generate", "state_nbytes"])
+def test_cfg_must_be_a_config(model, call):
+    cfg, params = model
+    bad = cfg.to_dict()
+    f = {"forward": lambda: fd.forward(params, {"input_ids": torch.tensor([[1]])}, cfg=bad),
+         "init_state": lambda: fd.init_state(bad, 1),
+         "init_params": lambda: fd.init_params(bad),
+         "generate": lambda: fd.generate(params, [[1]], cfg=bad, max_new_tokens=1),
+         "state_nbytes": lambda: fd.state_nbytes(bad, 1)}[call]
+    with pytest.raises(TypeError, match=rf"^{call}: cfg must be a functional_dsv41.Config .* got dict$"):
+        f()
+
+
+def test_init_params_seed_must_be_an_integer():
+    cfg = fd.Config.tiny()
+    for bad in (1.5, "1"):                                       # int(1.5) was seed 1 silently
+        with pytest.raises(TypeError, match="init_params: seed must be an integer"):
+            fd.init_params(cfg, seed=bad)
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
+        fd.init_params(cfg, seed=2**70)
+    a, b = fd.init_params(cfg, seed=np.int64(3)), fd.init_params(cfg, seed=3)
+    assert fd.tree_diff(a, b, atol=0).ok
+
+
+def test_unreadable_tokenizer_is_named(tmp_path):
+    from functional_dsv41.engram import build_token_map
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer file at .*missing\.json"):
+        build_token_map(tmp_path / "missing.json")
+    with pytest.raises(FileNotFoundError, match=r"a folder: pass its tokenizer\.json"):
+        build_token_map(tmp_path)
+    ptr = tmp_path / "tokenizer.json"
+    ptr.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+    with pytest.raises(ValueError, match=r"tokenizer\.json: cannot read it as a tokenizer\.json .*git-lfs pointer"):
+        build_token_map(ptr)
+    ptr.write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read it as a tokenizer\.json \([^)]*\)$"):
+        build_token_map(ptr)
+
+
+def test_generate_argument_types(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\), got"):
+        fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, seed=2**70)
+    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1, got '10'"):
+        fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, max_seq_len="10")
+    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1, got 10.5"):
+        fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, max_seq_len=10.5)
+    with pytest.raises(TypeError, match="stream must be a callable"):
+        fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, stream=5)
+    out = fd.generate(params, [[1, 2]], cfg=cfg, max_new_tokens=np.int64(2))   # numpy ints, as prompts take
+    assert out.stats["new_tokens"] == [2]
+
+
+def test_tree_diff_atol_and_save_params_arguments(tmp_path, model):
+    cfg, params = model
+    for bad in ("1e-3", -1.0, float("nan"), True):
+        with pytest.raises(TypeError, match="tree_diff: atol must be None or a number >= 0"):
+            fd.tree_diff(params, params, atol=bad)
+    assert fd.tree_diff(params, params, atol=np.float64(0.0)).ok
+    f = tmp_path / "out.safetensors"
+    f.write_bytes(b"mine")
+    with pytest.raises(ValueError, match=r"out\.safetensors is a file; save_params writes a folder"):
+        fd.save_params(params, f, cfg)
+    assert f.read_bytes() == b"mine"
+    with pytest.raises(ValueError, match="max_shard_bytes must be a number > 0, got '5e9'"):
+        fd.save_params(params, tmp_path / "ck", cfg, max_shard_bytes="5e9")
+    assert not (tmp_path / "ck").exists()

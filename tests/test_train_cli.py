@@ -27,6 +27,8 @@ def _bad_corpus(tmp_path):
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--log_every", "0"], "--log_every must be >= 1"),
     (["--keep_last", "0"], "--keep_last must be >= 1"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63)"),
+    (["--seed", str(2**63)], "--seed must be an integer in [0, 2**63)"),
     (["--loss_ce", "0"], "every loss coefficient is <= 0"),
     (["--loss_draft", "0.5"], "needs DSpark stages but model tiny has n_mtp_layers=0"),
     (["--sample_tokens", "4", "--sample_prompt", "once upon a time " * 100], "more than the model's max_seq_len 256"),

@@ -137,6 +137,8 @@ def validate(rc: RunConfig) -> None:
         # and the checkpoint of that step would be named "last good" when the next step notices
         (not bad_float, f"{', '.join(bad_float)}: must be a finite number (--clip may be inf: no clipping)"),
         (rc.steps >= 1, f"--steps must be >= 1, got {rc.steps}"),
+        (0 <= rc.seed < 2**63, f"--seed must be an integer in [0, 2**63) (numpy's and torch's generators), "
+                               f"got {rc.seed}"),
         (rc.batch_size >= 1, f"--batch_size must be >= 1, got {rc.batch_size}"),
         (rc.seq_len >= 2, f"--seq_len must be >= 2 (a row needs a token and its target), got {rc.seq_len}"),
         (rc.lr > 0, f"--lr must be > 0, got {rc.lr}"),
