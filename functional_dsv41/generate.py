@@ -185,6 +185,9 @@ def _image_batch(prompts, images, token_types, n0, cfg, dev) -> dict:
     image spans without images (either one alone would silently run the image tokens as text)."""
     if token_types is None:
         raise ValueError("generate: images need token_types (image_processor.expand_image_tokens gives both)")
+    if not hasattr(token_types, "__len__") or isinstance(token_types, (str, bytes)):
+        raise ValueError(f"generate: token_types must hold one row per prompt (a list, or a [b, s] tensor), "
+                         f"got {type(token_types).__name__}")
     if len(token_types) != len(prompts):
         raise ValueError(f"generate: token_types has {len(token_types)} rows for {len(prompts)} prompts")
     rows = []

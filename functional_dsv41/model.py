@@ -130,6 +130,11 @@ def _check_token_types(batch: dict, data: bool) -> None:
                         f"got {got}")
     if tuple(tt.shape) != tuple(ids.shape):
         raise ValueError(f"forward: token_types {tuple(tt.shape)} must match input_ids {tuple(ids.shape)}")
+    if data:
+        lo, hi = int(tt.min()), int(tt.max())
+        if lo < -1 or hi > 3:                   # -5 ran as text silently
+            raise ValueError(f"forward: token_types holds {lo if lo < -1 else hi}; the types are -1 (text), "
+                             f"0 IMAGE_START, 1 IMAGE, 2 IMAGE_NEW_LINE, 3 IMAGE_END")
     if data and batch.get("images") is None and bool((tt >= 0).any()):
         raise ValueError("forward: token_types marks image positions (>= 0) but batch has no 'images' "
                          "(one entry per row, image_processor.load_image); text positions are -1")

@@ -339,3 +339,14 @@ def test_tree_diff_atol_and_save_params_arguments(tmp_path, model):
     with pytest.raises(ValueError, match="max_shard_bytes must be a number > 0, got '5e9'"):
         fd.save_params(params, tmp_path / "ck", cfg, max_shard_bytes="5e9")
     assert not (tmp_path / "ck").exists()
+
+
+def test_token_types_values_and_generate_rows(model):
+    cfg, params = model
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"token_types holds -5; the types are -1 \(text\)"):
+        fd.forward(params, {"input_ids": ids, "token_types": torch.tensor([[-1, -5, -1]])}, cfg=cfg)
+    with pytest.raises(ValueError, match="token_types holds 4"):
+        fd.forward(params, {"input_ids": ids, "token_types": torch.tensor([[-1, 4, -1]])}, cfg=cfg)
+    with pytest.raises(ValueError, match="token_types must hold one row per prompt .* got int"):
+        fd.generate(params, [[1, 2]], cfg=cfg, max_new_tokens=1, token_types=5)
