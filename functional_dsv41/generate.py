@@ -36,7 +36,7 @@ from .config import Config, require_config
 from .dspark import dspark_draft, dspark_prefill, probs, sample_logits
 from .model import forward
 from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
-from .state import check_state_fits, init_state
+from .state import check_state_fits, init_state, positive_int
 
 
 class GenerateResult(list):
@@ -56,17 +56,6 @@ def _token_id(t, vocab_size: int) -> Optional[int]:
     except TypeError:
         return None
     return t if 0 <= t < vocab_size else None
-
-
-def _int_at_least_1(name: str, v) -> int:
-    """``v`` as an int >= 1 (Python, numpy or 0-d torch integers; not bools or floats)."""
-    try:
-        n = operator.index(v)
-    except TypeError:
-        n = None
-    if n is None or isinstance(v, bool) or n < 1:
-        raise ValueError(f"generate: {name} must be an int >= 1, got {v!r}")
-    return n
 
 
 def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Optional[int]):
@@ -92,9 +81,9 @@ def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Option
             raise ValueError(f"generate: prompt {i} holds {bad!r}, not a token id "
                              f"(an integer in [0, {cfg.vocab_size}))")
         out.append(ids)
-    max_new_tokens = _int_at_least_1("max_new_tokens", max_new_tokens)
+    max_new_tokens = positive_int("generate", "max_new_tokens", max_new_tokens)
     if max_seq_len is not None:
-        max_seq_len = _int_at_least_1("max_seq_len", max_seq_len)
+        max_seq_len = positive_int("generate", "max_seq_len", max_seq_len)
     total = max(len(p) for p in out) + max_new_tokens
     if max_seq_len is not None and total > max_seq_len:
         raise ValueError(f"generate: the longest prompt ({max(len(p) for p in out)}) + max_new_tokens "

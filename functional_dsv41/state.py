@@ -115,8 +115,8 @@ def state_nbytes(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None
     """Bytes ``init_state(cfg, batch_size, max_seq_len)`` allocates, computed without allocating
     (``state_bytes`` of that state): windows and compressed histories bf16, partial groups fp32, n-gram tail int64."""
     require_config(cfg, "state_nbytes")
-    b = _positive_int("batch_size", batch_size)
-    n_tok = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
+    b = positive_int("state_nbytes", "batch_size", batch_size)
+    n_tok = cfg.max_seq_len if max_seq_len is None else positive_int("state_nbytes", "max_seq_len", max_seq_len)
     ring = b * cfg.window_size * cfg.head_dim * 2
     total = ring * (len(cfg.layer_ids) + len(cfg.dspark_layer_ids))
     for L in cfg.layer_ids:
@@ -168,8 +168,8 @@ def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, 
     """An empty state for ``batch_size`` rows of up to ``max_seq_len`` tokens (default cfg.max_seq_len).
     Raises ValueError when it would not fit the memory ``device`` has free (``check_state_fits``)."""
     require_config(cfg, "init_state")
-    batch_size = _positive_int("batch_size", batch_size)
-    max_seq_len = cfg.max_seq_len if max_seq_len is None else _positive_int("max_seq_len", max_seq_len)
+    batch_size = positive_int("init_state", "batch_size", batch_size)
+    max_seq_len = cfg.max_seq_len if max_seq_len is None else positive_int("init_state", "max_seq_len", max_seq_len)
     check_state_fits(cfg, batch_size, max_seq_len, device=device)
     b, W, D = batch_size, cfg.window_size, cfg.head_dim
     bf16 = torch.bfloat16
@@ -205,15 +205,15 @@ def state_bytes(state: DecodeState) -> int:
     return sum(t.numel() * t.element_size() for t in tp.tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
-def _positive_int(name: str, v) -> int:
+def positive_int(who: str, name: str, v) -> int:
     """``v`` as an int >= 1 (Python, numpy or 0-d torch integers); refuses bools, floats and 0 (which
-    would otherwise mean "the default" or fail deep inside torch)."""
+    would otherwise mean "the default" or fail deep inside torch), naming ``who`` (the caller) and ``name``."""
     try:
         n = operator.index(v)
     except TypeError:
         n = None
     if n is None or isinstance(v, bool) or n < 1:
-        raise ValueError(f"init_state: {name} must be an integer >= 1, got {v!r}")
+        raise ValueError(f"{who}: {name} must be an integer >= 1, got {v!r}")
     return n
 
 

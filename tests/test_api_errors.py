@@ -315,9 +315,9 @@ def test_generate_argument_types(model):
     cfg, params = model
     with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\), got"):
         fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, seed=2**70)
-    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1, got '10'"):
+    with pytest.raises(ValueError, match="generate: max_seq_len must be an integer >= 1, got '10'"):
         fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, max_seq_len="10")
-    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1, got 10.5"):
+    with pytest.raises(ValueError, match="generate: max_seq_len must be an integer >= 1, got 10.5"):
         fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, max_seq_len=10.5)
     with pytest.raises(TypeError, match="stream must be a callable"):
         fd.generate(params, [[1]], cfg=cfg, max_new_tokens=1, stream=5)
