@@ -9,13 +9,18 @@ twice, and with ``mmap_engram=True`` the Engram tables are never read into anony
 Writing is atomic per folder: every shard goes to a temporary name in the target folder, is
 fsync'ed, and only once all are written are they moved into place (``_commit``) so that the folder
 always holds one whole checkpoint, the previous or the new one, whatever step is interrupted; the
-temporary files are removed on failure.
+temporary files are removed on failure. A save killed outright (SIGKILL, the OOM killer, a node lost) cannot
+remove its own: their names carry the writer's pid and host, and the next save into the folder removes those
+whose writer, on this host, is gone (``_remove_stale_tmps``), so a killed release-size save does not leave
+hundreds of GB of hidden files behind.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import struct
 import tempfile
 from pathlib import Path
@@ -434,12 +439,13 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
     path.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmps(path)
     old = _previous_files(path)
     mode = _file_mode()
     tmps: list[str] = []
     try:
         for shard, name in zip(shards, names):
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=path)
+            fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(name), suffix=".tmp", dir=path)
             os.close(fd)
             tmps.append(tmp)
             _write_shard(shard, tmp)
@@ -473,8 +479,57 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
+def _host() -> str:
+    """This host's name reduced to [A-Za-z0-9_-] (it goes between dots in a file name)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64]
+
+
+def _tmp_prefix(name: str) -> str:
+    """Temporary-file prefix for ``name``: hidden, and naming the writer (pid, host) for ``_remove_stale_tmps``."""
+    return f".{name}.pid{os.getpid()}@{_host()}."
+
+
+_STALE = re.compile(r"^\.(?:model\.safetensors(?:\.index\.json)?|model-\d+-of-\d+\.safetensors)"
+                    r"\.pid(\d+)@([A-Za-z0-9_-]*)\.[^./]+\.tmp$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):   # another user's process: alive
+        return True
+    return True
+
+
+def _remove_stale_tmps(path: Path) -> list[str]:
+    """Remove temporary files in ``path`` left by a save that was killed before it could clean up: named by
+    ``_tmp_prefix``, written on this host, by a pid that no longer runs. A live writer's files (a concurrent
+    save) and another host's are kept (a pid means nothing across hosts). Says what it removed (a warning
+    naming the files and the bytes freed); returns their names."""
+    import warnings
+    me = _host()
+    gone, freed = [], 0
+    for f in sorted(os.listdir(path)):
+        m = _STALE.match(f)
+        if m is None or m.group(2) != me or _alive(int(m.group(1))):
+            continue
+        try:
+            size = os.lstat(path / f).st_size
+            os.unlink(path / f)
+        except FileNotFoundError:
+            continue
+        gone.append(f)
+        freed += size
+    if gone:
+        warnings.warn(f"save_params: removed {len(gone)} temporary file(s) ({freed / 1e9:.3g} GB) that an interrupted "
+                      f"save left in {path}: {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''}", stacklevel=3)
+    return gone
+
+
 def _write_json_tmp(doc: dict, name: str, path: Path, mode: int) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=path)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(name), suffix=".tmp", dir=path)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(doc, fh, indent=2)

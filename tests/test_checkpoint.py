@@ -149,6 +149,73 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before  # no temp files either
 
 
+_KILLED_SAVE = """
+import os, signal, sys
+import functional_dsv41 as fd
+from functional_dsv41.params import checkpoint as ck
+real = ck._write_shard
+def dying(tensors, fname):            # the second shard: half written, then the process is killed outright
+    if dying.n:
+        with open(fname, "wb") as fh:
+            fh.write(b"x" * 4096)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dying.n += 1
+    real(tensors, fname)
+dying.n = 0
+ck._write_shard = dying
+cfg = fd.Config.tiny()
+fd.save_params(fd.init_params(cfg, seed=2), sys.argv[1], cfg, max_shard_bytes=300_000)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
+def test_killed_save_leaves_files_the_next_save_removes(tmp_path):
+    """A save killed outright cannot clean up: its hidden temp files stay (the previous checkpoint intact
+    beside them) until the next save into the folder, which removes those of dead writers on this host and
+    says so, and keeps a live writer's and another host's."""
+    import signal
+    import subprocess
+    import sys
+    cfg = fd.Config.tiny()
+    p1 = fd.init_params(cfg, seed=1)
+    fd.save_params(p1, tmp_path, cfg, max_shard_bytes=300_000)
+    before = set(os.listdir(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    left = sorted(set(os.listdir(tmp_path)) - before)
+    assert len(left) == 2 and all(f.startswith(".model-0000") and f.endswith(".tmp") for f in left), left
+    assert fd.tree_diff(p1, fd.load_params(tmp_path, cfg), atol=0).ok          # still the previous checkpoint
+    live = tmp_path / f".model.safetensors.pid{os.getpid()}@{ck._host()}.abcd1234.tmp"
+    other = tmp_path / ".model.safetensors.pid1@another-host.abcd1234.tmp"
+    live.write_bytes(b"a save in progress")
+    other.write_bytes(b"another machine's save")
+    p3 = fd.init_params(cfg, seed=3)
+    with pytest.warns(UserWarning, match=r"removed 2 temporary file\(s\).*interrupted save") as rec:
+        fd.save_params(p3, tmp_path, cfg)
+    assert all(f in str(rec[0].message) for f in left)
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith(".")) == sorted([live.name, other.name])
+    assert fd.tree_diff(p3, fd.load_params(tmp_path, cfg), atol=0).ok
+
+
+def test_save_temp_names_carry_the_writer(tmp_path, monkeypatch):
+    """The names the stale-file sweep relies on: every temp file a save writes matches it, with this pid."""
+    cfg = fd.Config.tiny()
+    seen = []
+    real = ck._write_shard
+
+    def spy(tensors, fname):
+        seen.append(os.path.basename(fname))
+        real(tensors, fname)
+
+    monkeypatch.setattr(ck, "_write_shard", spy)
+    fd.save_params(fd.init_params(cfg, seed=1), tmp_path, cfg, max_shard_bytes=300_000)
+    assert len(seen) >= 2
+    for f in seen:
+        m = ck._STALE.match(f)
+        assert m and int(m.group(1)) == os.getpid() and m.group(2) == ck._host(), f
+
+
 def _mapped_files():
     """(start, end, path) of every file-backed mapping of this process."""
     out = []

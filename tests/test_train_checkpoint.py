@@ -52,7 +52,9 @@ def test_roundtrip_exact_dtypes_and_keep_last(tmp_path):
 
 
 def test_interrupted_save_keeps_last_good(tmp_path):
-    """A process killed inside orbax's finalize (all files written, not yet renamed) leaves step 1 the latest."""
+    """A process killed inside orbax's finalize (all files written, not yet renamed) leaves step 1 the latest;
+    the next checkpointer on the folder removes the half-saved step's temporary folder (orbax does it in the
+    background, awaited by the first save)."""
     script = textwrap.dedent(f"""
         import os, sys, torch
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
@@ -81,6 +83,11 @@ def test_interrupted_save_keeps_last_good(tmp_path):
     r = ck.restore()
     p, _ = _state(1)
     assert r["step"] == 1 and all(_same(r["params"][k].contiguous(), p[k]) for k in p)
+    p, o = _state(3)                        # the resumed run's next save (step 3): the dead step 2's folder is gone
+    ck.save(3, params=p, opt_state=o, data_state={"epoch": 0, "offset": 3})
+    ck.wait()
+    assert not any(n in os.listdir(tmp_path) for n in leftovers), os.listdir(tmp_path)
+    assert ck.latest_step() == 3 and all(_same(ck.restore(3)["params"][k].contiguous(), p[k]) for k in p)
     ck.close()
 
 

@@ -15,7 +15,8 @@ tensors to numpy on the caller's thread (the arrays it hands over never change a
 writes them in the background. Orbax writes into a temporary folder and renames it to ``<step>`` only
 after every file is written (its atomic finalize), so a save interrupted midway leaves a
 ``<step>.orbax-checkpoint-tmp-*`` folder that ``latest_step``/``restore`` ignore: it never replaces
-the last good checkpoint (tests/test_train_checkpoint.py kills a process inside the finalize).
+the last good checkpoint (tests/test_train_checkpoint.py kills a process inside the finalize), and the next
+``TrainCheckpointer`` on the folder (a resumed run) removes it before its first save.
 ``max_to_keep`` keeps the newest N. Steps must grow: ``save`` refuses a step that is already saved or older than
 the newest one (orbax would skip it without a word).
 """
@@ -77,8 +78,11 @@ class TrainCheckpointer:
         import orbax.checkpoint as ocp
         self._ocp = ocp
         self.directory = os.path.abspath(directory)
+        # cleanup_tmp_directories: a save killed mid-write leaves a ``<step>.orbax-checkpoint-tmp-*`` folder (a
+        # whole train state's size) that nothing reads; opening the folder again (a resumed run) removes it (in
+        # the background; orbax awaits it before the first save)
         opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                            create=True)
+                                            create=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=opts)
 
     # ---------------------------------------------------------------- save
