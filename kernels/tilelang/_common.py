@@ -100,6 +100,37 @@ def check_reduction_workspace(cuda_source: str) -> None:
                            f"workspace_alias_ok=True (kernels/tilelang/_common.py).")
 
 
+def softmax_macros(H: int, BI: int, c: float, lazy: bool = False):
+    """The release's block softmax step (SPEC §10.5), shared by every sparse-attention forward kernel, as two
+    TileLang macros over a [H, BI] fp32 score fragment (c = softmax scale * log2 e). Each kernel takes the new
+    running max its own way (in place, into a second buffer, exchanged with its peer warpgroup), then:
+
+    - ``factor(a, m_from, m_to)``: a = exp2(c (m_from - m_to)), the factor that moves sums taken under m_from to
+      m_to; ``lazy`` (the pp kernel's opt-in FA4-style max): exactly 1.0 where m_from == m_to.
+    - ``probs(acc, m_old, m, a, ls, l)``, with m = max(m_old, rowmax S) already in ``m``: a = factor(m_old, m);
+      acc <- exp2(c S - c m) (fp32: P before its bf16 rounding); ls = rowsum acc; l <- l a + ls.
+    """
+
+    @T.macro
+    def factor(a, m_from, m_to):
+        for h in T.Parallel(H):
+            if lazy:
+                a[h] = T.if_then_else(m_from[h] == m_to[h], 1.0, T.exp2((m_from[h] - m_to[h]) * c))
+            else:
+                a[h] = T.exp2((m_from[h] - m_to[h]) * c)
+
+    @T.macro
+    def probs(acc, m_old, m, a, ls, l):
+        factor(a, m_old, m)
+        for h, t in T.Parallel(H, BI):
+            acc[h, t] = T.exp2(acc[h, t] * c - m[h] * c)
+        T.reduce_sum(acc, ls, dim=1)
+        for h in T.Parallel(H):
+            l[h] = l[h] * a[h] + ls[h]
+
+    return factor, probs
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

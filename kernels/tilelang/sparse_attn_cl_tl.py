@@ -53,7 +53,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import LOG2E, check_nreg, compile_kernel
+from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32
 
 # A thread's 32 fp32 partial scores (its m64n64 accumulator registers, in register order) to the same thread of
@@ -130,6 +130,7 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
     NI = TP // BI
     DH = D // 2
     c = float(scale) * LOG2E
+    _, probs = softmax_macros(H, BI, c)
     XB = H * BI * 4                     # bytes of one partial score tile
     CPR = DH // 8 // 8                  # 16-byte chunks a producer thread copies per row (8 threads a row)
 
@@ -185,13 +186,7 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         (fp32), l = l a + rowsum acc; m <- m1."""
         T.copy(m, m1)
         T.reduce_max(acc, m1, dim=1, clear=False)
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m[h] - m1[h]) * c)
-        for h, u in T.Parallel(H, BI):
-            acc[h, u] = T.exp2(acc[h, u] * c - m1[h] * c)
-        T.reduce_sum(acc, ls, dim=1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * a[h] + ls[h]
+        probs(acc, m, m1, a, ls, l)
         T.copy(m1, m)
 
     @T.macro

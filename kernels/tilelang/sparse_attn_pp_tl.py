@@ -79,7 +79,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import LOG2E, check_nreg, compile_kernel
+from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32
 
 
@@ -161,6 +161,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: diag='trace' keeps 12 stamps a pair in the 64 LSE slots: TP <= 640")
     DH = D // 2
     c = float(scale) * LOG2E
+    factor, probs = softmax_macros(H, BI, c, lazy=LZ)   # lazy: a is exactly 1.0 where the max did not move
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
     L, R = 0, 1
 
@@ -260,15 +261,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 acc_o[h, d] *= a[h]
 
     @T.macro
-    def factor(a, m_from, m_to):
-        """a = exp2(c (m_from - m_to)); lazy: exactly 1 where the max did not move."""
-        for h in T.Parallel(H):
-            if LZ:
-                a[h] = T.if_then_else(m_from[h] == m_to[h], 1.0, T.exp2((m_from[h] - m_to[h]) * c))
-            else:
-                a[h] = T.exp2((m_from[h] - m_to[h]) * c)
-
-    @T.macro
     def softmax(acc_s, m_old, m, a, ls, l, vote):
         """A consumer's softmax of its block: m = max(m_old, rowmax S), a = exp2(c (m_old - m)), S <- exp2(c S - c m)
         (fp32, P before its bf16 rounding), l = l a + rowsum (l was under m_old). lazy (tau = ``lazy``): a warp keeps
@@ -282,15 +274,13 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 vote[0] = vote[0] | T.if_then_else((m[h] - m_old[h]) * c > lazy, 1, 0)
             if T.any_sync(vote[0]) == 0:
                 T.copy(m_old, m)
-        factor(a, m_old, m)
         if SM:
-            for h, t in T.Parallel(H, BI):
-                acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
-            T.reduce_sum(acc_s, ls, dim=1)
+            probs(acc_s, m_old, m, a, ls, l)
         else:
+            factor(a, m_old, m)
             T.fill(ls, 1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * a[h] + ls[h]
+            for h in T.Parallel(H):
+                l[h] = l[h] * a[h] + ls[h]
 
     @T.macro
     def rescale(acc_o, l, a, m_from, m_to, vote):

@@ -16,7 +16,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import LOG2E, check_nreg, compile_kernel
+from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32, _ws_epilogue, _ws_gather
 
 
@@ -81,6 +81,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
     NS = stages
     DH = D // 2
     c = float(scale) * LOG2E
+    factor, probs = softmax_macros(H, BI, c)
     epilogue = _ws_epilogue(H, DH, c)
     CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
     load_q, gather_kv = _ws_gather(H, BI, CPR)
@@ -141,13 +142,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         mask(j0, acc_s, idx_s)
         T.copy(m, m0)
         T.reduce_max(acc_s, m0, dim=1, clear=False)    # m0 = max(m, rowmax S0)
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m[h] - m0[h]) * c)
-        for h, t in T.Parallel(H, BI):
-            acc_s[h, t] = T.exp2(acc_s[h, t] * c - m0[h] * c)
-        T.reduce_sum(acc_s, ls, dim=1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * a[h] + ls[h]
+        probs(acc_s, m, m0, a, ls, l)                   # a = alpha = exp2(c (m - m0)), P0, l
         T.barrier_wait(free0, i % 2)                   # consumer 1 is done with P0 / m0 of pair i-1
         T.copy(acc_s, p_s[0, :, :])
         T.copy(m0, mx_s[0, :])
@@ -165,8 +160,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         T.barrier_wait(bar_p1, i % 2)                  # P1, m1 of pair i
         for h in T.Parallel(H):
             m[h] = mx_s[1, h]
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m0[h] - m[h]) * c)           # beta
+        factor(a, m0, m)                                # beta
         for h in T.Parallel(H):
             l[h] = l[h] * a[h]
         if EARLY and not last:
@@ -195,8 +189,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
                 T.barrier_arrive(empty[st(j1 - 2)])
         for h in T.Parallel(H):
             m0[h] = mx_s[0, h]
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m[h] - m0[h]) * c)           # alpha
+        factor(a, m, m0)                                # alpha
         for h in T.Parallel(H):
             l[h] = l[h] * a[h]
         for h, d in T.Parallel(H, DH):
@@ -207,13 +200,7 @@ def fwd_kernel_seesaw(H: int, D: int, TP: int, scale: float, BI: int = 64, stage
         mask(j1, acc_s, idx_s)
         T.copy(m0, m)
         T.reduce_max(acc_s, m, dim=1, clear=False)     # m1 = max(m0, rowmax S1)
-        for h in T.Parallel(H):
-            a[h] = T.exp2((m0[h] - m[h]) * c)           # beta
-        for h, t in T.Parallel(H, BI):
-            acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
-        T.reduce_sum(acc_s, ls, dim=1)
-        for h in T.Parallel(H):
-            l[h] = l[h] * a[h] + ls[h]
+        probs(acc_s, m0, m, a, ls, l)                   # a = beta = exp2(c (m0 - m1)), P1, l
         T.barrier_wait(free1, i % 2)                   # consumer 0 is done with P1 / m1 of pair i-1
         T.copy(acc_s, p_s[1, :, :])
         T.copy(m, mx_s[1, :])

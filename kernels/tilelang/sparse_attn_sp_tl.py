@@ -24,7 +24,7 @@ import functools
 
 import tilelang.language as T
 
-from ._common import LOG2E, compile_kernel
+from ._common import LOG2E, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32, _ws_gather
 
 
@@ -81,6 +81,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
     NI = TP // BI
     PN = DH // pv_split
     c = float(scale) * LOG2E
+    _, probs = softmax_macros(H, BI, c)
     CPR = D // 64                       # 16-byte chunks a thread copies per row (8 threads a row)
     HB = BI // 2                        # rows of a block each PV warpgroup gathers
     load_q = _ws_gather(H, BI, CPR)[0]
@@ -127,13 +128,7 @@ def fwd_kernel_sp(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: i
             if diag != "nosoftmax":
                 T.copy(m, mp)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(H):
-                    a[h] = T.exp2((mp[h] - m[h]) * c)
-                for h, tt in T.Parallel(H, BI):
-                    acc_s[h, tt] = T.exp2(acc_s[h, tt] * c - m[h] * c)
-                T.reduce_sum(acc_s, ls, dim=1)
-                for h in T.Parallel(H):
-                    l[h] = l[h] * a[h] + ls[h]
+                probs(acc_s, mp, m, a, ls, l)
             T.barrier_wait(p_empty[j % 2], ((j // 2) % 2) ^ 1)
             T.copy(acc_s, p_s[j % 2, :, :])
             T.copy(a, al_s[j % 2, :])

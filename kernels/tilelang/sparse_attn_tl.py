@@ -56,7 +56,7 @@ import torch
 import tilelang.language as T
 
 from .. import reference
-from ._common import LOG2E, Unsupported, check_nreg, compile_kernel, plain as _plain
+from ._common import LOG2E, Unsupported, check_nreg, compile_kernel, plain as _plain, softmax_macros
 
 BF16, F32, I32 = "bfloat16", "float32", "int32"
 
@@ -93,6 +93,7 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
     NI = TP // BI
     c = float(scale) * LOG2E
     gather = _gather_masked(BH, BI, D)
+    _, probs = softmax_macros(BH, BI, c)
 
     @T.prim_func
     def sparse_attn_fwd(
@@ -127,13 +128,7 @@ def fwd_kernel(H: int, D: int, TP: int, scale: float, BI: int = 64, stages: int 
                 T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(m, m_prev)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(BH):
-                    alpha[h] = T.exp2((m_prev[h] - m[h]) * c)
-                for h, t in T.Parallel(BH, BI):
-                    acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
-                T.reduce_sum(acc_s, l_blk, dim=1)
-                for h in T.Parallel(BH):
-                    l[h] = l[h] * alpha[h] + l_blk[h]
+                probs(acc_s, m_prev, m, alpha, l_blk, l)
                 for h, d in T.Parallel(BH, D):
                     acc_o[h, d] *= alpha[h]
                 # TileLang 0.1.15 places the cross-warp reductions' workspace on p_s (their live ranges do
@@ -254,6 +249,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
     DH = D // 2
     c = float(scale) * LOG2E
     epilogue = _ws_epilogue(H, DH, c)
+    _, probs = softmax_macros(H, BI, c)
     CPR = D // 64                       # 16-byte chunks a producer thread copies per row (8 threads a row)
     load_q, gather_kv = _ws_gather(H, BI, CPR)
 
@@ -290,13 +286,7 @@ def fwd_kernel_ws(H: int, D: int, TP: int, scale: float, BI: int = 32, stages: i
             T.barrier_wait(bar_mx[1 - w], i % 2)
             for h in T.Parallel(H):
                 m[h] = T.max(m[h], mx_s[1 - w, h])
-            for h in T.Parallel(H):
-                a[h] = T.exp2((mp[h] - m[h]) * c)
-            for h, t in T.Parallel(H, BI):
-                acc_s[h, t] = T.exp2(acc_s[h, t] * c - m[h] * c)
-            T.reduce_sum(acc_s, ls, dim=1)
-            for h in T.Parallel(H):
-                l[h] = l[h] * a[h] + ls[h]
+            probs(acc_s, mp, m, a, ls, l)
             for h, d in T.Parallel(H, DH):
                 acc_o[h, d] *= a[h]
         T.copy(acc_s, p_s[w, :, :])
