@@ -244,8 +244,8 @@ def gpu_tests(pytest_args):
 
 
 def attn_bench():
-    """The forward kernels of the bench's "attndiag" section at the release shape (T = 640 and the random-slot
-    rows at 2x / 4x), and the default forward of "attnfwd"."""
+    """The forward kernels of the bench's "attndiag", "attntrace" and "attncl" sections at the release shape (T = 640
+    and the random-slot rows), and the default forward of "attnfwd"."""
     from functional_dsv41.kernels import bench_attn as ba
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
@@ -268,6 +268,12 @@ def attn_bench():
         pp.fwd_kernel_pp(H, D, 640, scale, **kw)
     for kw in ({},) + ba.PP_ROUND_OPTS:             # attntrace
         pp.fwd_kernel_pp(H, D, 640, scale, diag="trace", **kw)
+    from functional_dsv41.kernels.tilelang import sparse_attn_cl_tl as cl
+    sms = 132                                       # attncl: the H200's (and H100's) SM count
+    pp.fwd_kernel_pp(H, D, 640, scale, ctas=sms)
+    for diag in ("",) + ba.CL_DIAGS + ("trace",):
+        cl.fwd_kernel_cl(H, D, 640, scale, sms, diag=diag)
+    cl.fwd_kernel_cl(H, D, 2560, scale, sms)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 
 
