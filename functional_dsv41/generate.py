@@ -15,7 +15,11 @@ BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row st
 
     .venv/bin/python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
         [--temperature T] [--top-p P] [--speculative] [--seed S] [--image FILE ...] [--no-bos]
+        [--chat chat|thinking [--reasoning-effort E]]
 
+``--prompt`` is raw text (a completion, BOS first unless ``--no-bos``); ``--chat MODE`` makes it one user message
+rendered by ``encoding.encode_messages`` in MODE, as the reference's chat prompts are (SPEC §13-14): BOS, the
+effort line in thinking mode, ``<｜User｜>TEXT<｜Assistant｜>`` and ``</think>`` (chat) or ``<think>`` (thinking).
 ``--temperature`` defaults to config.json's ``temperature`` (1.0 where the file has none, the reference
 generate.py's default; the fixtures' and train/run.py's exports say 0.0, greedy).
 """
@@ -122,6 +126,8 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     if cfg.engram_layer_ids and "engram_token_map" not in params:
         raise ValueError("generate: the config has Engram layers but params lack 'engram_token_map' "
                          "(fd.load_params builds it from the checkpoint's tokenizer.json)")
+    if not isinstance(speculative, (bool, np.bool_)):      # "no" and 0.5 used to mean True
+        raise ValueError(f"generate: speculative must be True or False, got {speculative!r}")
     if speculative and (cfg.n_mtp_layers < 1 or len(params.get("mtp", ())) != cfg.n_mtp_layers):
         raise ValueError("generate: speculative=True needs DSpark stages (cfg.n_mtp_layers and params['mtp'])")
     if eos_id is not None:                       # a float eos_id (2.5) never matched, True matched token 1
@@ -317,6 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", action="store_true", help="DSpark draft + one verify forward per step")
     ap.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (id 0)")
+    ap.add_argument("--chat", choices=("chat", "thinking"), default=None,
+                    help="render --prompt as one user message of a chat in this mode (encoding.encode_messages: "
+                         "BOS, <｜User｜>TEXT<｜Assistant｜> and </think> or <think>); default: raw text")
+    ap.add_argument("--reasoning-effort", default=None, metavar="E",
+                    help="--chat thinking: 1-100, low, high (the default) or max")
     ap.add_argument("--image", action="append", default=[], metavar="FILE",
                     help="an image (PNG; other formats with Pillow) for each image token in the prompt, in "
                          "order; with no image token in the prompt one is put before the text")
@@ -333,6 +344,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not -2**63 <= args.seed < 2**64:          # torch.Generator's range (generate's own check, before the echo)
+        return fail(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+    prompt = args.prompt
+    if args.chat is None and args.reasoning_effort is not None:
+        return fail("--reasoning-effort needs --chat thinking")
+    if args.chat is not None:
+        from .encoding import IMAGE, encode_messages
+        if args.no_bos:
+            return fail("--no-bos: a --chat prompt starts with BOS (encoding.encode_messages)")
+        if args.chat == "chat" and args.reasoning_effort is not None:
+            return fail("--reasoning-effort needs --chat thinking (chat mode has no effort line)")
+        effort = args.reasoning_effort
+        if effort is not None and effort.lstrip("-").isdigit():
+            effort = int(effort)
+        text = prompt if IMAGE in prompt or not args.image else IMAGE * len(args.image) + prompt
+        try:
+            prompt = encode_messages([{"role": "user", "content": text}], args.chat, reasoning_effort=effort)
+        except ValueError as e:                  # a bad effort
+            return fail(f"--reasoning-effort: {e}")
     for f in args.image:
         if not Path(f).is_file():
             return fail(f"--image {f}: " + ("a directory, not an image file" if Path(f).is_dir() else "no such file"))
@@ -370,7 +400,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         params = load_params(ck, cfg)
     except (ValueError, OSError) as e:           # CheckpointError and unreadable files
         return fail(str(e))
-    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    beyond = sorted({i for i in ids if i >= cfg.vocab_size})
+    if beyond:                                   # generate would refuse them, after the prompt was echoed
+        return fail(f"the prompt encodes to token id(s) {beyond[:5]} outside the model's vocabulary (vocab_size "
+                    f"{cfg.vocab_size}): {ck / 'tokenizer.json'} does not belong to this config.json")
     bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
     eos = tok.token_to_id("<｜end▁of▁sentence｜>")
     images = token_types = None
@@ -383,7 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as e:                  # image tokens in the prompt vs --image count
             return fail(str(e))
         ids = ids.tolist()
-    if not args.no_bos and bos is not None:
+    if not args.no_bos and bos is not None and args.chat is None:     # (a chat prompt has its own)
         ids = [bos] + ids
     if args.image:
         token_types = [[-1] * (len(ids) - len(types)) + types.tolist()]
@@ -406,7 +440,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          who="--max-new-tokens")
     except ValueError as e:
         return fail(str(e))
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(prompt)                     # (--chat: the rendered prompt the model reads)
     res = generate(params, [ids], cfg=cfg, max_new_tokens=args.max_new_tokens, temperature=temperature,
                    top_p=args.top_p, eos_id=eos, seed=args.seed, speculative=args.speculative,
                    max_seq_len=len(ids) + args.max_new_tokens, stream=stream, images=images,

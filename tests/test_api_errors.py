@@ -4,6 +4,7 @@ prompt formats and the ``python -m functional_dsv41.generate`` CLI's arguments."
 from __future__ import annotations
 
 import re
+from pathlib import Path
 import subprocess
 import sys
 
@@ -120,6 +121,9 @@ def test_generate_prompt_refusals(model):
             fd.generate(params, [[0, bad]], cfg=cfg, max_new_tokens=1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=True)
+    for bad in ("no", 0.5, None):                    # "no" ran speculatively
+        with pytest.raises(ValueError, match="speculative must be True or False"):
+            fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=1, speculative=bad)
     for t, p in ((float("nan"), 1.0), (-1.0, 1.0), (1.0, float("nan")), (1.0, 0.0), ("1", 1.0)):
         with pytest.raises(ValueError, match="temperature >= 0 and 0 < top_p <= 1"):
             fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=1, temperature=t, top_p=p)
@@ -140,12 +144,73 @@ def _cli(capsys, *argv):
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["--image", "/nonexistent/pic.png"], "--image /nonexistent/pic.png: no such file"),
+    (["--seed", str(10**23)], r"--seed must be in \[-2\*\*63, 2\*\*64\), got 1000"),
+    (["--reasoning-effort", "high"], "--reasoning-effort needs --chat thinking"),
+    (["--chat", "chat", "--reasoning-effort", "high"], "needs --chat thinking .chat mode has no effort line"),
+    (["--chat", "thinking", "--reasoning-effort", "101"], "--reasoning-effort: reasoning_effort=101 is not valid"),
+    (["--chat", "thinking", "--reasoning-effort", "medium"], "--reasoning-effort: reasoning_effort='medium'"),
+    (["--chat", "chat", "--no-bos"], "--no-bos: a --chat prompt starts with BOS"),
 ])
 def test_cli_bad_arguments(capsys, args, msg):
     rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", *args)
     assert rc == 2
     assert err.startswith("error: ") and "Traceback" not in err
     assert re.search(msg, err), err
+
+
+def test_cli_bad_arguments_echo_nothing(capsys):
+    """Refused before the prompt is echoed (an out-of-range --seed was generate's traceback after the echo)."""
+    from functional_dsv41.generate import main
+    assert main(["--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", "--seed", str(2**64)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: --seed") and "Traceback" not in err
+
+
+def test_cli_tokenizer_beyond_the_vocabulary(capsys, tmp_path):
+    """A tokenizer.json with more ids than config.json's vocab_size (a mismatched folder): a prompt that encodes to
+    such an id was a traceback from generate after the echo; now one line naming the ids and the files."""
+    import shutil
+    cfg = fd.Config.tiny().replace(vocab_size=512, engram_layer_ids=(), engram_num_embeddings=())  # no Engram
+    cfg.to_json(tmp_path / "config.json")
+    fd.save_params(fd.init_params(cfg, seed=0), tmp_path, cfg)
+    shutil.copy(Path(REPO) / "data" / "tokenizer.json", tmp_path / "tokenizer.json")   # 768 ids; the model's 512
+    rc, err = _cli(capsys, "--ckpt", str(tmp_path), "--prompt", "<｜User｜>hi", "--max-new-tokens", "1")
+    out = capsys.readouterr().out
+    assert rc == 2 and out == "", out
+    assert err.startswith("error: the prompt encodes to token id(s) [762] outside the model's vocabulary "
+                          "(vocab_size 512)") and "does not belong to this config.json" in err, err
+
+
+@pytest.mark.parametrize("mode,effort", [("chat", None), ("thinking", None), ("thinking", "max"), ("thinking", "20")])
+def test_cli_chat_renders_one_user_message(capsys, monkeypatch, mode, effort):
+    """--chat MODE: the prompt is encode_messages([user TEXT], MODE) tokenized (BOS once, from the template), and
+    that rendered prompt is what the CLI echoes."""
+    from tokenizers import Tokenizer
+    import importlib
+    gm = importlib.import_module("functional_dsv41.generate")
+    from functional_dsv41.encoding import encode_messages
+    d = fixture_dir("tiny-bf16")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(params, prompts, **kw):
+        seen["ids"] = prompts[0]
+        raise Stop
+    monkeypatch.setattr(gm, "generate", spy)
+    argv = ["--ckpt", str(d), "--prompt", "Once upon", "--chat", mode] + (["--reasoning-effort", effort] if effort else [])
+    with pytest.raises(Stop):
+        gm.main(argv)
+    rendered = encode_messages([{"role": "user", "content": "Once upon"}], mode,
+                               reasoning_effort=int(effort) if effort and effort.isdigit() else effort)
+    assert rendered.endswith("<｜User｜>Once upon<｜Assistant｜>" + ("</think>" if mode == "chat" else "<think>"))
+    if effort:
+        assert f"Reasoning Effort: {dict(max=100).get(effort, effort)} " in rendered
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert seen["ids"] == tok.encode(rendered, add_special_tokens=False).ids
+    assert seen["ids"][0] == 0 and seen["ids"][1] != 0          # BOS once
+    assert capsys.readouterr().out == rendered
 
 
 def test_cli_images(capsys, tmp_path):
