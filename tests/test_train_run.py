@@ -331,3 +331,83 @@ def test_a_preset_in_a_notebook_gets_its_run_settings(tmp_path, capsys):
                                 sample_tokens=0, progress="off", out=str(tmp_path / "o")))
     assert r["status"] == "ok"
     assert "note: preset tiny-qat sets qat=True; this run has qat=False" in capsys.readouterr().out
+
+
+def test_an_earlier_runs_records_are_not_replaced_without_overwrite(tmp_path):
+    """A run with neither checkpoints nor an export (--ckpt_every 0 --export false) leaves only metrics.jsonl and
+    run_config.json; a second run in that OUT replaced them silently (a helper's probe)."""
+    out = tmp_path / "o"
+    assert run.train(_rc(out, steps=2, ckpt_every=0))["status"] == "ok"
+    metrics = (out / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match="holds an earlier run's metrics.jsonl and run_config.json and no checkpoint"):
+        run.train(_rc(out, steps=1, ckpt_every=0))
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert run.train(_rc(out, steps=1, ckpt_every=0, overwrite=True))["status"] == "ok"
+    assert [s for s, *_ in _losses(out)] == [1]
+
+
+def test_a_signal_during_the_last_step_skips_export_and_sample(tmp_path, capsys):
+    """SIGINT while the last step runs: the loop had no next step to stop before, so the run went on to export and
+    sample (slow on a big model) and reported success; now it stops there, names the checkpoint, status interrupted."""
+    import signal
+
+    def fault(s, tr):
+        if s == 1:                              # the second (last) step: the handler only records the signal
+            os.kill(os.getpid(), signal.SIGINT)
+        return tr
+
+    out = tmp_path / "o"
+    r = run.train(_rc(out, steps=2, ckpt_every=2, export=True, sample_tokens=4), fault=fault)
+    assert r["status"] == "interrupted" and r["signal"] == signal.SIGINT and r["step"] == 2
+    err = capsys.readouterr().err
+    assert err.startswith("STOPPED by SIGINT after the last step (2): the export and the sample were skipped. "
+                          f"Last good checkpoint: {os.path.join(os.path.abspath(out), 'ckpt', '2')}; run the same "
+                          "command with --resume to export"), err
+    assert not (out / "export").exists()
+    r = run.train(_rc(out, steps=2, ckpt_every=2, export=True, resume=True))
+    assert r["status"] == "ok" and (out / "export" / "model.safetensors").exists()
+
+
+def test_resume_names_a_damaged_newest_checkpoint(tmp_path):
+    """A newest checkpoint whose files are damaged: --resume printed pages of orbax tracebacks; now one line naming
+    it and the step before it, and the run resumes from that one once the damaged one is moved away."""
+    import shutil
+    out = tmp_path / "o"
+    assert run.train(_rc(out, steps=4, ckpt_every=2))["status"] == "ok"
+    meta = out / "ckpt" / "4" / "meta"
+    for f in meta.rglob("*"):
+        if f.is_file():
+            f.write_text("{")
+    with pytest.raises(SystemExit) as e:
+        run.train(_rc(out, steps=4, ckpt_every=2, resume=True))
+    msg = str(e.value)
+    assert msg.startswith(f"--resume: the newest checkpoint {out / 'ckpt' / '4'} cannot be read (") and \
+        msg.endswith("it is damaged. Move it out of " + str(out / "ckpt") + " to resume from the one before it (step 2)"), msg
+    shutil.move(str(out / "ckpt" / "4"), str(tmp_path / "damaged"))
+    r = run.train(_rc(out, steps=4, ckpt_every=2, resume=True))
+    assert r["status"] == "ok" and r["step"] == 4
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(qat=True), "--qat fake-quantises the formats the model stores, and model tiny stores none"),
+    (dict(config="tiny-qat", mode="reference"), "--qat trains in mode qat .* --mode reference would be ignored"),
+    (dict(out=""), "--out must name a folder, got an empty string"),
+])
+def test_refused_before_anything_is_built(tmp_path, kw, msg):
+    with pytest.raises(SystemExit, match=msg):
+        run.train(_rc(kw.pop("out", tmp_path / "o"), **kw))
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_that_cannot_be_created(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=f"--out {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file, not a folder"):
+        run.train(_rc(tmp_path / "afile" / "sub"))
+    if os.path.isdir("/proc/self") and os.name == "posix":      # writable by its mode bits for root, not in fact
+        out = "/proc/dsv41-cannot-exist/run"
+        try:
+            run.train(_rc(out))
+        except SystemExit as e:
+            assert str(e).startswith(f"--out {out}: "), e
+        else:
+            raise AssertionError("a run under /proc was not refused")

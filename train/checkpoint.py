@@ -72,9 +72,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class TrainCheckpointer:
-    """Save/restore train states under ``directory`` (one sub-folder per step), keeping the last N."""
+    """Save/restore train states under ``directory`` (one sub-folder per step), keeping the last N. ``cleanup_tmp``:
+    remove a killed save's temporary folders (before the first save; off for a look that must only read)."""
 
-    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True, cleanup_tmp: bool = True):
         import orbax.checkpoint as ocp
         self._ocp = ocp
         self.directory = os.path.abspath(directory)
@@ -82,7 +83,7 @@ class TrainCheckpointer:
         # whole train state's size) that nothing reads; opening the folder again (a resumed run) removes it (in
         # the background; orbax awaits it before the first save)
         opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                            create=True, cleanup_tmp_directories=True)
+                                            create=True, cleanup_tmp_directories=cleanup_tmp)
         self.manager = ocp.CheckpointManager(self.directory, options=opts)
 
     # ---------------------------------------------------------------- save

@@ -78,10 +78,21 @@ def newest_checkpoint(ckpt_dir: str, restore: bool) -> tuple[Optional[int], Opti
     there is none. Only reads: a run refused after this must not have created the folder."""
     if not os.path.isdir(ckpt_dir):
         return None, None
-    ck = ckpt_mod.TrainCheckpointer(ckpt_dir)
+    ck = ckpt_mod.TrainCheckpointer(ckpt_dir, cleanup_tmp=False)
     try:
         step = ck.latest_step()
-        return step, (ck.restore(step) if restore and step is not None else None)
+        if not restore or step is None:
+            return step, None
+        try:
+            return step, ck.restore(step)
+        except Exception as e:                   # a damaged checkpoint: orbax's own error is pages of tracebacks
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            older = [s for s in ck.all_steps() if s < step]
+            raise SystemExit(
+                f"--resume: the newest checkpoint {os.path.join(ck.directory, str(step))} cannot be read "
+                f"({type(e).__name__}: {first}); it is damaged. "
+                + (f"Move it out of {ck.directory} to resume from the one before it (step {older[-1]})"
+                   if older else "There is no older checkpoint: start afresh with --overwrite")) from None
     finally:
         ck.close()
 

@@ -24,8 +24,10 @@ result may then differ from an uninterrupted run by rounding), export, sample_*,
 them alone; each resume appends its own settings to ``OUT/resumes.jsonl``. ``--resume`` with no
 finished checkpoint says so and starts afresh.
 
-The first SIGINT (Ctrl-C) or SIGTERM stops the run before the next step, waits for pending checkpoint
-saves and prints where the last good checkpoint is; a second one aborts at once.
+The first SIGINT (Ctrl-C) or SIGTERM stops the run before the next step (after the last step: before the
+export and the sample, which a --resume of the finished run then does), waits for pending checkpoint saves and
+prints where the last good checkpoint is; a second one aborts at once. A newest checkpoint that cannot be read is
+named, with the step before it, instead of resumed from.
 
 Exit status: 0 on success; 2 when a loss part or gradient goes non-finite (the message names the step
 and the part/leaves; the last good checkpoint is left complete and loadable) or a checkpoint or the export
@@ -52,6 +54,7 @@ import torch
 
 import functional_dsv41 as fd
 from functional_dsv41.config import write_atomic
+from functional_dsv41.linear import qat_format
 from functional_dsv41.train import checkpoint as ckpt_mod
 from functional_dsv41.train import data as data_mod
 from functional_dsv41.train import optim, resume, step as step_mod
@@ -177,6 +180,11 @@ def check_model(rc: RunConfig, cfg: fd.Config, sp: dict[str, int]) -> None:
         raise SystemExit(f"tokenizer has {sp['vocab_size']} ids but the model config has vocab_size {cfg.vocab_size}")
     if rc.seq_len > cfg.max_seq_len:
         raise SystemExit(f"--seq_len {rc.seq_len} > the model's max_seq_len {cfg.max_seq_len}")
+    if (rc.qat or rc.mode == "qat") and qat_format(cfg, "dense") is None \
+            and qat_format(cfg, "expert") is None:
+        raise SystemExit(f"--qat fake-quantises the formats the model stores, and model {rc.config} stores none "
+                         f"(dtype {cfg.dtype!r}, experts {cfg.experts_dtype!r}): --qat would train as without it; "
+                         f"use --config tiny-qat (fp8 dense, fp4 experts)")
     if rc.loss_draft > 0 and cfg.n_mtp_layers == 0:
         raise SystemExit(f"--loss_draft {rc.loss_draft} needs DSpark stages but model {rc.config} has n_mtp_layers=0; "
                          f"use --config tiny-dspark or --loss_draft 0")
@@ -269,6 +277,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                          f"to continue, --overwrite to start afresh, or another --out")
     exp_dir = os.path.join(rc.out, "export")
     earlier_export = os.path.isdir(exp_dir) and any(f.endswith(".safetensors") for f in os.listdir(exp_dir))
+    earlier_records = [f for f in ("metrics.jsonl", "run_config.json")
+                       if os.path.isfile(os.path.join(rc.out, f)) and os.path.getsize(os.path.join(rc.out, f)) > 0]
+    if latest is None and not earlier_export and earlier_records and not rc.overwrite and not rc.resume:
+        # a run with neither checkpoints nor an export (--ckpt_every 0 --export false) leaves only its records
+        # (--resume there starts afresh, saying so, as documented)
+        raise SystemExit(f"{os.path.abspath(rc.out)} holds an earlier run's {' and '.join(earlier_records)} and no "
+                         f"checkpoint or export: pass --overwrite to replace them, or another --out")
     if restored is None and earlier_export and not rc.overwrite:
         # a run without checkpoints (--ckpt_every 0) leaves only its export: a fresh start here would truncate
         # its metrics at once and replace the export at its end (or leave it beside the new run's records)
@@ -311,7 +326,10 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         draft_anchor_stride=rc.draft_anchor_stride)
 
     # ---- every check passed: from here on the run writes into OUT
-    os.makedirs(rc.out, exist_ok=True)
+    try:
+        os.makedirs(rc.out, exist_ok=True)
+    except OSError as e:                         # e.g. under /sys or /proc: writable by mode bits, not in fact
+        raise SystemExit(f"--out {rc.out}: cannot create the folder ({e.strerror or e})") from None
     if restored is None:
         if rc.resume:
             print(f"--resume: no finished checkpoint in {os.path.abspath(ckpt_dir)}; starting afresh", flush=True)
@@ -416,6 +434,15 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                     if not save_checkpoint(s + 1):
                         status = "write_failed"
                         break
+            else:   # every step ran; a signal during the last one still stops the run before the export
+                if sig.signum is not None:
+                    name = signal.Signals(sig.signum).name
+                    last = last_good()
+                    stop(f"STOPPED by {name} after the last step ({rc.steps}): the export and the sample were "
+                         f"skipped. Last good checkpoint: {last}; "
+                         + ("run the same command with --resume to export" if last != "none" else
+                            "no checkpoint holds the trained state (--ckpt_every 0)"))
+                    status, signum = "interrupted", sig.signum
     finally:
         if bar is not None:
             bar.close()

@@ -160,7 +160,25 @@ def validate(rc: RunConfig) -> None:
         (os.path.isfile(rc.corpus), f"--corpus {rc.corpus}: no such file"),
         (os.path.isfile(rc.tokenizer), f"--tokenizer {rc.tokenizer}: no such file"),
         (not os.path.exists(rc.out) or os.path.isdir(rc.out), f"--out {rc.out}: exists and is not a folder"),
+        (not (rc.qat and rc.mode not in ("dequant", "qat")), f"--qat trains in mode qat (the forward fake-quantises "
+         f"the stored formats); --mode {rc.mode} would be ignored: pass one of them"),
     ]
     for ok, msg in checks:
         if not ok:
             raise SystemExit(msg)
+    _check_out_creatable(rc.out)
+
+
+def _check_out_creatable(out: str) -> None:
+    """--out must be a folder this process can make or write in: its nearest existing ancestor must be a writable
+    folder (a run that could not create OUT failed with a traceback after the model was built)."""
+    if not out or not str(out).strip():
+        raise SystemExit("--out must name a folder, got an empty string")
+    path = os.path.abspath(out)
+    anc = path
+    while not os.path.exists(anc):
+        anc = os.path.dirname(anc)
+    if not os.path.isdir(anc):
+        raise SystemExit(f"--out {out}: {anc} is a file, not a folder")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise SystemExit(f"--out {out}: {anc} is not writable by this user")
