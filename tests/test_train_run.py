@@ -91,16 +91,22 @@ def test_non_finite_gradient_names_the_leaf():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qat"])
 def test_export_then_load_params(tmp_path, preset, capsys, monkeypatch):
     """The export is the final train state re-quantised to the release's storage; load_params reads it back.
-    The sample is drawn from the function that was trained (a QAT run's fake-quantised model, not its float
-    masters: in 'dequant' those are another model, whose greedy sample differed)."""
+    The sample is what the export generates: a QAT run's is drawn from the exported fp8/fp4 tree in the
+    release's numerics (mode 'reference', as `generate --ckpt OUT/export` runs it; the fake-quantised training
+    function's greedy sample could differ), a bf16 run's from the trained params."""
     modes = []
     sample = run.greedy_sample
     monkeypatch.setattr(run, "greedy_sample", lambda *a: modes.append(a[-1]) or sample(*a))
     r = run.train(_rc(tmp_path, config=preset, steps=1, ckpt_every=1, export=True, sample_tokens=3))
     assert r["status"] == "ok" and "sample" in r and "sample (greedy" in capsys.readouterr().out
-    assert modes == ["qat" if preset == "tiny-qat" else "dequant"]
+    assert modes == ["reference" if preset == "tiny-qat" else "dequant"]
     cfg = fd.Config.from_json(str(tmp_path / "export" / "config.json"))
     loaded = fd.load_params(str(tmp_path / "export"), cfg)          # strict: every tensor, shape, dtype
+    res = fd.generate(loaded, [[0] + run.load_tokenizer(run.RunConfig().tokenizer).encode(run.RunConfig().sample_prompt).ids],
+                      cfg=cfg, max_new_tokens=3, temperature=0.0, eos_id=1)
+    tok = run.load_tokenizer(run.RunConfig().tokenizer)
+    assert r["sample"].startswith(run.RunConfig().sample_prompt)
+    assert tok.decode(tok.encode(run.RunConfig().sample_prompt).ids + res[0]) == r["sample"]   # the export's own
     flat = fd.flatten_with_paths(loaded)
     if preset == "tiny-qat":
         assert cfg.dtype == "fp8" and cfg.experts_dtype == "fp4"

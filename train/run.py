@@ -483,10 +483,16 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     if rc.sample_tokens > 0:
         tok = load_tokenizer(rc.tokenizer)
         prompt = [sp["bos"]] + tok.encode(rc.sample_prompt).ids
+        if rc.export and mode == "qat":
+            # a QAT run: the exported model in the release's numerics (what `generate --ckpt OUT/export` runs); the
+            # fake-quantised training function computes the same QDQ'd values with other roundings (float matmuls,
+            # not block-scaled GEMMs) and its greedy sample could differ from the export's (a helper's probe)
+            s_params, s_mode = fd.unflatten_from_paths(flat), "reference"
+        else:
+            # the function that was trained (a QAT run's float masters in "dequant" are another model)
+            s_params, s_mode = params, mode
         with torch.no_grad():
-            # the function that was trained: a QAT run's float masters in "dequant" are another model (its
-            # sample differed from the fake-quantised one and from the exported model's)
-            new = greedy_sample(params, cfg, prompt, rc.sample_tokens, sp["eos"], mode)
+            new = greedy_sample(s_params, cfg, prompt, rc.sample_tokens, sp["eos"], s_mode)
         text = tok.decode(prompt[1:] + new)
         result["sample"] = text
         print(f"sample (greedy, {len(new)} new tokens): {text}", flush=True)
