@@ -239,7 +239,10 @@ def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
     mismatch, and for tensors whose values can be compared the max-abs error and the cosine diff
     ``1 - 2<x,y>/(|x|^2+|y|^2)`` in float64. Quantized weights (fp8 e4m3 / packed fp4) are compared
     by their dequantized value when a sibling ``scale`` is present in the same tree (32x32 fp8 blocks,
-    fp8 rows with 1x32 scales, fp4 1x32); e8m0 scales and other quantized tensors bytewise. A dtype
+    fp8 rows with 1x32 scales, fp4 1x32); fp8 without a scale by its own value (so +0/-0 and NaN encodings
+    compare equal), e8m0 scales and packed fp4 without a scale bytewise. Equal non-finite values (NaN against
+    NaN, inf against the same inf) count as equal: max-abs 0, left out of the cosine; a NaN or inf against
+    anything else makes both NaN (ranked first by ``worst``). A dtype
     mismatch is still reported with the value error when both sides decode. Without ``atol`` values
     are reported, not judged (``ok`` = same structure, shapes and dtypes); with ``atol`` a max-abs
     error above it, or any differing byte of a bytewise-compared tensor, marks the row ``value``.
@@ -315,7 +318,7 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
     if x.is_meta or y.is_meta:
         row.note = "meta: structure only"
         return row
-    maxes, xy, xx, yy, nbad, bytewise = [], 0.0, 0.0, 0.0, 0, False
+    maxes, xy, xx, yy, nbad, bytewise, nonfinite_differs = [], 0.0, 0.0, 0.0, 0, False, False
     for xc, yc, sxc, syc in _chunks(x.detach().cpu(), y.detach().cpu(), sx, sy):
         xf, yf = _as_float(xc, sxc), _as_float(yc, syc)
         if xf is None or yf is None:
@@ -335,6 +338,11 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
         if d.numel():
             maxes.append(d.max())
         xv, yv = xf.flatten(), yf.flatten()
+        fin = torch.isfinite(xv) & torch.isfinite(yv)
+        if not bool(fin.all()):                 # equal NaN / inf pairs leave the cosine; any other one spoils it
+            odd = ~fin & ~((xv == yv) | (torch.isnan(xv) & torch.isnan(yv)))
+            nonfinite_differs = nonfinite_differs or bool(odd.any())
+            xv, yv = xv[fin], yv[fin]
         xy, xx, yy = xy + float((xv * yv).sum()), xx + float((xv * xv).sum()), yy + float((yv * yv).sum())
     if bytewise:
         row.note = "bytewise" + (f": {nbad} bytes differ" if nbad else "")
@@ -343,7 +351,7 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
         return row
     row.max_abs = float(torch.stack(maxes).max()) if maxes else 0.0    # torch's max: a NaN chunk stays NaN
     den = xx + yy
-    row.cos_diff = 0.0 if den == 0 else 1 - 2 * xy / den
+    row.cos_diff = float("nan") if nonfinite_differs else 0.0 if den == 0 else 1 - 2 * xy / den
     if row.status == "ok" and atol is not None and not row.max_abs <= atol:
         row.status = "value"
     return row

@@ -106,7 +106,9 @@ def _read_header(path: Path) -> tuple[dict, int]:
                 and 0 <= offs[0] <= offs[1]):
             problems.append(f"{name}: data_offsets {offs!r} are not [begin, end]")
             continue
-        want = int(np.prod(_storage_shape(dt, shape), dtype=np.int64)) * _DTYPES[dt].itemsize
+        want = _DTYPES[dt].itemsize             # Python ints: an int64 product of a crafted shape wraps around
+        for d in _storage_shape(dt, shape):
+            want *= int(d)
         if offs[1] - offs[0] != want:
             problems.append(f"{name}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, {dt} {shape} needs {want}")
         elif start + offs[1] > size:
@@ -118,7 +120,8 @@ def _read_header(path: Path) -> tuple[dict, int]:
         end = 0
         for a, b in sorted(spans):
             if a != end:
-                problems.append(f"data bytes [{end}, {a}) belong to no tensor, or two tensors overlap")
+                problems.append(f"data bytes [{end}, {a}) belong to no tensor" if a > end else
+                                f"data bytes [{a}, {end}) belong to two tensors (they overlap)")
                 break
             end = b
         else:
@@ -294,10 +297,16 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     _need_config(cfg, "load_params")
     path = Path(path)
     where = _resolve(path)
-    files = {p: _File(p) for p in sorted(set(where.values()))}
-    for name, p in where.items():
-        if name not in files[p].header:
-            raise CheckpointError(f"{path}: index lists {name} in {p.name}, which does not hold it")
+    shards = sorted(set(where.values()))
+    missing = [p for p in shards if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: the index names shard files that are not there:",
+                              _first([f"{p.name} (holds {sum(1 for q in where.values() if q == p)} tensors, e.g. "
+                                      f"{min(n for n, q in where.items() if q == p)})" for p in missing]))
+    files = {p: _File(p) for p in shards}
+    absent = [f"{name} in {p.name}" for name, p in where.items() if name not in files[p].header]
+    if absent:
+        raise CheckpointError(f"{path}: the index lists tensors in shards that do not hold them:", _first(absent))
     fp8_wo_a = _fp8_wo_a(where, files, cfg)
     _check_wo_a_scales(fp8_wo_a, where, files)
     int8_fp4 = _int8_fp4(where, files)

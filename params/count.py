@@ -72,6 +72,8 @@ class ParamCountReport(dict):
 
 def param_count_report(cfg: Config) -> ParamCountReport:
     """Logical parameter counts of ``cfg`` by :data:`GROUPS` (zero groups kept, in that order)."""
+    from functional_dsv41.config import require_config
+    require_config(cfg, "param_count_report")
     counts = {g: 0 for g in GROUPS}
     scales = {g: 0 for g in GROUPS}
     nbytes = {g: 0 for g in GROUPS}

@@ -80,6 +80,9 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     from a checkpoint folder). Its class count must equal ``cfg.engram_compressed_vocab_size``.
     """
     require_config(cfg, "init_params")
+    if torch.device(device).type == "meta":     # drew and quantised everything on the CPU to return shapes only
+        raise ValueError("init_params: device='meta' would draw every tensor on the CPU to return shapes only; "
+                         "fd.param_spec(cfg) gives the same tree of meta tensors without drawing anything")
     seed = _seed(seed)
     as_master = master or dtype_master is not None
     gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(seed)

@@ -229,6 +229,8 @@ def param_spec(cfg: Config, *, master: bool = False, dtype_master: Optional[torc
     Engram token map ``engram_token_map`` (built from the tokenizer, not a checkpoint tensor) and the
     reference's state_dict aliases ``mtp.{s}.embed/head`` (the file stores each tensor once).
     """
+    from functional_dsv41.config import require_config
+    require_config(cfg, "param_spec")
     flat = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta")
             for e in spec_entries(cfg, master=master, dtype_master=dtype_master)}
     return unflatten_from_paths(flat)

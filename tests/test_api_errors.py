@@ -337,7 +337,8 @@ def test_input_ids_type_and_rank_are_checked_even_without_validate(model):
         fd.forward(params, {"input_ids": [[1, 2]]}, cfg=cfg, validate=False)
 
 
-@pytest.mark.parametrize("call", ["forward", "init_state", "init_params", "generate", "state_nbytes"])
+@pytest.mark.parametrize("call", ["forward", "init_state", "init_params", "generate", "state_nbytes", "param_spec",
+                                  "param_count_report"])
 def test_cfg_must_be_a_config(model, call):
     cfg, params = model
     bad = cfg.to_dict()
@@ -345,9 +346,19 @@ def test_cfg_must_be_a_config(model, call):
          "init_state": lambda: fd.init_state(bad, 1),
          "init_params": lambda: fd.init_params(bad),
          "generate": lambda: fd.generate(params, [[1]], cfg=bad, max_new_tokens=1),
-         "state_nbytes": lambda: fd.state_nbytes(bad, 1)}[call]
+         "state_nbytes": lambda: fd.state_nbytes(bad, 1),
+         "param_spec": lambda: fd.param_spec(bad),
+         "param_count_report": lambda: fd.param_count_report(bad)}[call]
     with pytest.raises(TypeError, match=rf"^{call}: cfg must be a functional_dsv41.Config .* got dict$"):
         f()
+
+
+def test_init_params_refuses_meta():
+    """device='meta' drew and quantised every tensor on the CPU to return meta tensors (gigabytes at scale), and with
+    draw_on_device it failed inside torch.Generator: param_spec is the tree of shapes."""
+    for kw in ({}, {"draw_on_device": True}):
+        with pytest.raises(ValueError, match="init_params: device='meta' .* fd.param_spec"):
+            fd.init_params(fd.Config.tiny(), device="meta", **kw)
 
 
 def test_init_params_seed_must_be_an_integer():

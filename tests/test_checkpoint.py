@@ -107,6 +107,45 @@ def test_index_path_traversal_refused(tmp_path, shard):
         fd.load_params(ck_dir, fd.Config.tiny(), strict=False)
 
 
+def test_index_problems_are_all_named(tmp_path):
+    """An index naming shard files that are not there was a bare FileNotFoundError for the first one; tensors listed
+    in a shard that lacks them were reported one at a time: now every one, as load_params' docstring promises."""
+    _write(tmp_path / "a.safetensors", {"embed.weight": torch.zeros(2)})
+    idx = tmp_path / "model.safetensors.index.json"
+    idx.write_text(json.dumps({"weight_map": {"embed.weight": "a.safetensors", "x.one": "gone-1.safetensors",
+                                              "x.two": "gone-2.safetensors", "x.three": "gone-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match="names shard files that are not there") as e:
+        fd.load_params(tmp_path, fd.Config.tiny(), strict=False)
+    assert e.value.problems == ["gone-1.safetensors (holds 1 tensors, e.g. x.one)",
+                                "gone-2.safetensors (holds 2 tensors, e.g. x.three)"]
+    idx.write_text(json.dumps({"weight_map": {"embed.weight": "a.safetensors", "bogus.one": "a.safetensors",
+                                              "bogus.two": "a.safetensors"}}))
+    with pytest.raises(CheckpointError, match="lists tensors in shards that do not hold them") as e:
+        fd.load_params(tmp_path, fd.Config.tiny(), strict=False)
+    assert e.value.problems == ["bogus.one in a.safetensors", "bogus.two in a.safetensors"]
+
+
+def _raw_file(path, header, data):
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def test_crafted_headers_are_refused(tmp_path):
+    """A shape whose int64 product wraps around (2**62 + 1 rows of 4 floats 'need' 16 bytes) passed the size check
+    and crashed in torch with strict=False; overlapping tensors were reported with the range reversed."""
+    f = tmp_path / "model.safetensors"
+    _raw_file(f, {"w": {"dtype": "F32", "shape": [2**62 + 1, 4], "data_offsets": [0, 16]}}, bytes(16))
+    with pytest.raises(CheckpointError, match=r"w: data_offsets \[0, 16\] hold 16 bytes, F32"):
+        fd.load_params(f, fd.Config.tiny(), strict=False)
+    _raw_file(f, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                  "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16))
+    with pytest.raises(CheckpointError, match=r"data bytes \[8, 16\) belong to two tensors \(they overlap\)"):
+        fd.load_params(f, fd.Config.tiny(), strict=False)
+    _raw_file(f, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16))
+    with pytest.raises(CheckpointError, match=r"data bytes \[0, 8\) belong to no tensor"):
+        fd.load_params(f, fd.Config.tiny(), strict=False)
+
+
 def test_sharded_round_trip_and_layout_switch(tmp_path):
     cfg = _cfg("tiny-fp8")
     p = fd.init_params(cfg, seed=5)

@@ -216,3 +216,18 @@ def test_tree_diff_worst_ranks_inf_and_nan_first():
         b = {"a": torch.tensor([1.0, 1, 1, 2]), "b": torch.tensor([1.0, 1, 1, bad]), "c": torch.tensor([1.0, 1, 1, 1.5])}
         for atol in (None, 0.1):
             assert [r.path for r in fd.tree_diff(a, b, atol=atol).worst(1)] == ["b"], (bad, atol)
+
+
+def test_tree_diff_equal_non_finite_values_do_not_spoil_the_cosine():
+    """Identical tensors holding NaN or inf had cos_diff NaN and so outranked a sign-flipped tensor in worst()
+    (a helper's probe); equal non-finite pairs now leave the cosine, unequal ones still make it NaN."""
+    a = {"same_with_nan": torch.tensor([1.0, float("nan"), 3.0]), "same_with_inf": torch.tensor([float("inf"), 1.0]),
+         "flipped": torch.tensor([1.0, 2.0, 3.0])}
+    b = {"same_with_nan": a["same_with_nan"].clone(), "same_with_inf": a["same_with_inf"].clone(),
+         "flipped": -a["flipped"]}
+    d = fd.tree_diff(a, b)
+    cos = {r.path: r.cos_diff for r in d.rows}
+    assert cos["same_with_nan"] == 0.0 and cos["same_with_inf"] == 0.0 and cos["flipped"] == pytest.approx(2.0)
+    assert [r.path for r in d.worst(1)] == ["flipped"]
+    d = fd.tree_diff({"x": torch.tensor([1.0, float("nan")])}, {"x": torch.tensor([1.0, 2.0])})
+    assert d.rows[0].cos_diff != d.rows[0].cos_diff                      # NaN against a number: still NaN
