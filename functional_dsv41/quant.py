@@ -148,22 +148,24 @@ def _check_finite(op: str, w: torch.Tensor) -> None:
                          f"{at}: {w[tuple(at)].item()}), which fp8/fp4 storage cannot encode")
 
 
-def quant_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8_block(w: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (e4m3 [N, K], e8m0 [ceil(N/32), ceil(K/32)]) with 2^ceil(log2(amax/448)) scales.
 
     Zero blocks get the smallest normal-range scale so that they round-trip as zeros. A non-finite value is
-    refused (ValueError), as by ``quant_fp4`` and ``quant_fp8_rows``.
+    refused (ValueError), as by ``quant_fp4`` and ``quant_fp8_rows``; ``check=False`` skips that test (a host
+    sync, and data-dependent control flow that ``vmap`` refuses): QAT's fake quantisation, whose NaN propagates
+    to the loss, where the train step's own check names it.
     """
-    _check_finite("quant_fp8_block", w)
+    if check:
+        _check_finite("quant_fp8_block", w)
     N, K = w.shape
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
-    wp = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
-    wp[:N, :K] = w.float()
-    blk = wp.view(nb, BLOCK, kb, BLOCK)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N))   # zeros; vmap-safe (no
+    blk = wp.view(nb, BLOCK, kb, BLOCK)                                                # in-place write)
     amax = blk.abs().amax(dim=(1, 3)).clamp_min(1e-4)
     s = pow2_ceil_scale(amax, 1.0 / FP8_MAX)
     q = (blk / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * BLOCK, kb * BLOCK)[:N, :K].to(FP8)
-    return q, float_to_e8m0(s)
+    return q, (float_to_e8m0(s) if check else _pow2_e8m0(s))
 
 
 def dequant_fp4(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
@@ -177,14 +179,16 @@ def dequant_fp4(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> t
     return (vals * s).to(dtype)
 
 
-def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (float4_e2m1fn_x2 [N, K/2], e8m0 [N, K/32]), scales 2^ceil(log2(amax/6))."""
-    _check_finite("quant_fp4", w)
+def quant_fp4(w: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (float4_e2m1fn_x2 [N, K/2], e8m0 [N, K/32]), scales 2^ceil(log2(amax/6)); ``check`` as
+    ``quant_fp8_block``'s."""
+    if check:
+        _check_finite("quant_fp4", w)
     blk = _blocks(w.float(), BLOCK)
     amax = blk.abs().amax(-1).clamp_min(FP4_MAX * 2.0 ** -126)
     s = pow2_ceil_scale(amax, 1.0 / FP4_MAX)
     codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
-    return pack_fp4(codes).view(FP4X2), float_to_e8m0(s)
+    return pack_fp4(codes).view(FP4X2), (float_to_e8m0(s) if check else _pow2_e8m0(s))
 
 
 def dequant_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:

@@ -222,3 +222,26 @@ def test_grad_in_reference_mode_over_fp8_weights_says_to_use_dequant():
     assert grad(loss)(train, "dequant")["layers.0.attn_norm.weight"].abs().max() > 0
     with torch.no_grad():                                    # inference in reference mode is unaffected
         loss(train, "reference")
+
+
+def test_vmap_over_an_ensemble_of_qat_masters():
+    """vmap over stacked QAT master trees in mode "qat" failed: the fake quantiser's weight finite check (a host
+    sync per QAT linear per step, too) is data-dependent control flow under vmap (a helper's probe)."""
+    cfg = fd.Config.tiny(max_seq_len=32, dtype="fp8", expert_dtype="fp4")
+    trees = []
+    for seed in (0, 1):
+        p = fd.init_params(cfg, seed=seed, master=True)
+        p["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+        trees.append(split(p))
+    frozen = trees[0][1]
+    stacked = {k: torch.stack([trees[0][0][k], trees[1][0][k]]) for k in trees[0][0]}
+    ids = torch.randint(0, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(0))
+
+    def loss(tr, x):
+        logits = fd.forward(unflatten_from_paths({**frozen, **tr}), {"input_ids": x[None]}, cfg=cfg, mode="qat",
+                            dispatch="dense", validate=False).logits
+        return F.cross_entropy(logits[0, :-1].float(), x[1:])
+
+    batched = vmap(loss, in_dims=(0, None))(stacked, ids)
+    for i in range(2):
+        torch.testing.assert_close(batched[i], loss({k: v[i] for k, v in stacked.items()}, ids), atol=1e-5, rtol=1e-5)
