@@ -274,9 +274,12 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     span), optional "images": one entry per row, None or a list of ``(patches bf16 [n_vit_h*n_vit_w, 3,
     14, 14], (n_vit_h, n_vit_w))`` in span order (``image_processor.load_image``; needs token_types and a
     chunk at position 0; see ``vision``)}; state: a DecodeState (``fd.init_state``) or None.
-    ``mode``: linear() mode ("reference", "dequant", "qat"). ``dispatch``: MoE formulation ("sorted"
-    scales; "dense" works under vmap).
-    ``qdq=False``: no activation quantisation (a smooth model for gradient checks). ``validate=False``
+    ``mode``: linear() mode ("reference", "dequant", "qat"). "reference" runs the release's fp8/fp4 GEMMs only on
+    weights STORED as fp8/fp4; float master weights (``init_params(master=True)``) give the "dequant" model there;
+    evaluate a QAT master tree with "qat", or export it (``train.checkpoint.to_storage``) first. ``dispatch``: MoE
+    formulation ("sorted" scales; "dense" works under vmap).
+    ``qdq=False``: no activation quantisation outside linear() (the KV / indexer QDQ; a smooth model for gradient
+    checks with "dequant"; "qat" still fake-quantises every fp8/fp4 linear's input). ``validate=False``
     skips the data-dependent input checks (needed under ``torch.func.vmap``). ``aux=True``: also return
     ``out.aux["indexer"][L] = {"teacher", "student", "valid"}`` per index-source layer (the indexer
     KL loss, ``attention.indexer_kl_terms``). ``block_wrapper``: applied to the per-block function
