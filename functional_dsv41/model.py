@@ -32,7 +32,7 @@ from .hyper import hc_mixes, hc_post, hc_pre
 from .invariant import linear_rows
 from .moe import moe
 from .norm import rms_norm
-from .pytree import flatten_with_paths, register_carrier
+from .pytree import _logical_shape, flatten_with_paths, register_carrier
 from .state import DecodeState, SharedAttention, begin_append, check_current, config_id, finish_append
 
 
@@ -214,9 +214,7 @@ def _check_params(params, cfg: Config) -> None:
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name} is a {type(t).__name__}, not a tensor")
             continue
-        got = tuple(t.shape)
-        if t.dtype == torch.float4_e2m1fn_x2 and got:
-            got = (*got[:-1], 2 * got[-1])
+        got = _logical_shape(t)                 # packed fp4 [N, K/2] is [N, K]
         if got != want:
             problems.append(f"{name} is {got}, expected {want}")
     if problems:

@@ -330,8 +330,8 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
         if xf.shape != yf.shape:
             row.status = "shape"
             return row
-        d = (xf - yf).abs()                     # equal values (also equal infinities) and NaN against NaN: 0
-        d = torch.where((xf == yf) | (torch.isnan(xf) & torch.isnan(yf)), torch.zeros_like(d), d)
+        same = (xf == yf) | (torch.isnan(xf) & torch.isnan(yf))
+        d = torch.where(same, 0.0, (xf - yf).abs())  # equal values (also equal infinities), NaN against NaN: 0
         if _is_int(x) and _is_int(y):           # exactly: float64 would merge integers above 2^53 (and an int64
             ne = xc != yc if xc.dtype == yc.dtype else xc.long() != yc.long()   # difference can overflow): any
             d = torch.where(ne, d.clamp_min(1.0), torch.zeros_like(d))          # differing pair >= 1
@@ -340,8 +340,7 @@ def _diff_leaf(path, x, y, sx, sy, atol) -> DiffRow:
         xv, yv = xf.flatten(), yf.flatten()
         fin = torch.isfinite(xv) & torch.isfinite(yv)
         if not bool(fin.all()):                 # equal NaN / inf pairs leave the cosine; any other one spoils it
-            odd = ~fin & ~((xv == yv) | (torch.isnan(xv) & torch.isnan(yv)))
-            nonfinite_differs = nonfinite_differs or bool(odd.any())
+            nonfinite_differs = nonfinite_differs or bool((~fin & ~same.flatten()).any())
             xv, yv = xv[fin], yv[fin]
         xy, xx, yy = xy + float((xv * yv).sum()), xx + float((xv * xv).sum()), yy + float((yv * yv).sum())
     if bytewise:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from functional_dsv41 import quant
-from functional_dsv41.config import Config
+from functional_dsv41.config import Config, require_config
 from functional_dsv41.pytree import flatten_with_paths, unflatten_from_paths
 
 from .spec import Entry, spec_entries
@@ -267,13 +267,6 @@ def _check_wo_a_scales(fp8_wo_a: set, where: dict, files: dict) -> None:
         raise CheckpointError("fp8 attn.wo_a scales that cannot be dequantised:", problems)
 
 
-def _need_config(cfg, fn: str) -> None:
-    """A path or a dict where the Config goes failed deep inside the spec walk with an AttributeError."""
-    if not isinstance(cfg, Config):
-        raise TypeError(f"{fn}: cfg must be a functional_dsv41.Config (e.g. fd.Config.from_json(folder / "
-                        f"'config.json')), got {type(cfg).__name__} {cfg!r:.80}")
-
-
 def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = False,
                 tokenizer=None):
     """Read a released-layout checkpoint into the params tree of ``cfg`` (storage dtypes kept).
@@ -294,7 +287,7 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     with ``functional_dsv41.engram.build_token_map`` and checked against ``cfg.engram_compressed_vocab_size``; a
     ``tokenizer`` path that does not exist is an error.
     """
-    _need_config(cfg, "load_params")
+    require_config(cfg, "load_params")       # a path or a dict failed deep inside the spec walk
     path = Path(path)
     where = _resolve(path)
     shards = sorted(set(where.values()))
@@ -416,7 +409,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     files in ``path``, fsync, ``os.replace`` into place, index last; files of a previous checkpoint
     in that folder that the new one does not use are removed after the switch.
     """
-    _need_config(cfg, "save_params")
+    require_config(cfg, "save_params")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"save_params: {path} is a file; save_params writes a folder (config.json, "
