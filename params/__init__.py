@@ -1,4 +1,5 @@
-"""The parameter pytree: names and shapes (``spec``), random init (``init``), released checkpoints (``checkpoint``).
+"""The parameter pytree: names and shapes (``spec``), random init (``init``), released checkpoints (read:
+``checkpoint``, write: ``save``).
 
     spec   = param_spec(cfg)                  # meta tensors, no allocation
     params = init_params(cfg, seed=0)         # storage dtypes (fp8/fp4 + e8m0 scales)
@@ -10,7 +11,8 @@
 from .spec import Entry, param_spec, spec_entries
 from .init import init_params
 from .count import ParamCountReport, param_count_report
-from .checkpoint import CheckpointError, load_params, save_params
+from .checkpoint import CheckpointError, load_params
+from .save import save_params
 
 __all__ = ["Entry", "param_spec", "spec_entries", "init_params", "param_count_report", "ParamCountReport",
            "load_params", "save_params", "CheckpointError"]

@@ -1,4 +1,4 @@
-"""load_params / save_params (params/checkpoint.py): byte-exact fixture round trips, strict errors,
+"""load_params / save_params (params/checkpoint.py, params/save.py): byte-exact fixture round trips, strict errors,
 index path traversal, sharding, atomic saves, memory-mapped Engram tables."""
 import json
 import os
@@ -9,6 +9,7 @@ import torch
 
 import functional_dsv41 as fd
 from functional_dsv41.params import checkpoint as ck
+from functional_dsv41.params import save as sv
 from functional_dsv41.params.checkpoint import CheckpointError
 
 from conftest import fixture_dir
@@ -64,7 +65,7 @@ def test_load_forms_and_token_map(tmp_path):
 
 
 def _write(path, tensors):
-    ck._write_shard(tensors, str(path))
+    sv._write_shard(tensors, str(path))
 
 
 def test_strict_reports_everything_at_once(tmp_path):
@@ -173,7 +174,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     fd.save_params(fd.init_params(cfg, seed=1), tmp_path, cfg, max_shard_bytes=300_000)
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
     assert len(before) >= 3
-    real, calls = ck._write_shard, []
+    real, calls = sv._write_shard, []
 
     def failing(tensors, fname):
         if calls:
@@ -181,7 +182,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         calls.append(fname)
         real(tensors, fname)
 
-    monkeypatch.setattr(ck, "_write_shard", failing)
+    monkeypatch.setattr(sv, "_write_shard", failing)
     with pytest.raises(OSError, match="simulated"):
         fd.save_params(fd.init_params(cfg, seed=2), tmp_path, cfg, max_shard_bytes=300_000)
     assert len(calls) == 1 and not os.path.exists(calls[0])  # the first shard was written, then removed
@@ -191,8 +192,8 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 _KILLED_SAVE = """
 import os, signal, sys
 import functional_dsv41 as fd
-from functional_dsv41.params import checkpoint as ck
-real = ck._write_shard
+from functional_dsv41.params import save as sv
+real = sv._write_shard
 def dying(tensors, fname):            # the second shard: half written, then the process is killed outright
     if dying.n:
         with open(fname, "wb") as fh:
@@ -201,7 +202,7 @@ def dying(tensors, fname):            # the second shard: half written, then the
     dying.n += 1
     real(tensors, fname)
 dying.n = 0
-ck._write_shard = dying
+sv._write_shard = dying
 cfg = fd.Config.tiny()
 fd.save_params(fd.init_params(cfg, seed=2), sys.argv[1], cfg, max_shard_bytes=300_000)
 """
@@ -225,7 +226,7 @@ def test_killed_save_leaves_files_the_next_save_removes(tmp_path):
     left = sorted(set(os.listdir(tmp_path)) - before)
     assert len(left) == 2 and all(f.startswith(".model-0000") and f.endswith(".tmp") for f in left), left
     assert fd.tree_diff(p1, fd.load_params(tmp_path, cfg), atol=0).ok          # still the previous checkpoint
-    live = tmp_path / f".model.safetensors.pid{os.getpid()}@{ck._host()}.abcd1234.tmp"
+    live = tmp_path / f".model.safetensors.pid{os.getpid()}@{sv._host()}.abcd1234.tmp"
     other = tmp_path / ".model.safetensors.pid1@another-host.abcd1234.tmp"
     live.write_bytes(b"a save in progress")
     other.write_bytes(b"another machine's save")
@@ -241,18 +242,18 @@ def test_save_temp_names_carry_the_writer(tmp_path, monkeypatch):
     """The names the stale-file sweep relies on: every temp file a save writes matches it, with this pid."""
     cfg = fd.Config.tiny()
     seen = []
-    real = ck._write_shard
+    real = sv._write_shard
 
     def spy(tensors, fname):
         seen.append(os.path.basename(fname))
         real(tensors, fname)
 
-    monkeypatch.setattr(ck, "_write_shard", spy)
+    monkeypatch.setattr(sv, "_write_shard", spy)
     fd.save_params(fd.init_params(cfg, seed=1), tmp_path, cfg, max_shard_bytes=300_000)
     assert len(seen) >= 2
     for f in seen:
-        m = ck._STALE.match(f)
-        assert m and int(m.group(1)) == os.getpid() and m.group(2) == ck._host(), f
+        m = sv._STALE.match(f)
+        assert m and int(m.group(1)) == os.getpid() and m.group(2) == sv._host(), f
 
 
 def _mapped_files():
@@ -372,10 +373,10 @@ def test_interrupted_commit_leaves_one_whole_checkpoint(tmp_path, monkeypatch, c
             raise OSError("crash (simulated)")
         return real(a, b)
 
-    monkeypatch.setattr(ck.os, "replace", flaky)
+    monkeypatch.setattr(sv.os, "replace", flaky)
     with pytest.raises(OSError, match="simulated"):
         fd.save_params(p2, tmp_path, cfg, max_shard_bytes=300_000)
-    monkeypatch.setattr(ck.os, "replace", real)
+    monkeypatch.setattr(sv.os, "replace", real)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     got = fd.load_params(tmp_path, cfg)
     assert fd.tree_diff(p1, got, atol=0).ok or fd.tree_diff(p2, got, atol=0).ok
@@ -458,6 +459,29 @@ def test_malformed_index_named(tmp_path, index, match):
     with pytest.raises(CheckpointError, match=match) as e:
         fd.load_params(tmp_path, cfg)
     assert ck.INDEX in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["{\"weight_map\": {", "[1, 2]", "a folder"])
+@pytest.mark.parametrize("max_shard_bytes", [5e9, 200_000])
+def test_save_over_unreadable_index_refused(tmp_path, damage, max_shard_bytes):
+    """A save into a folder whose index cannot be read removed that index and left the shards it listed beside the
+    new checkpoint (they were unknown, so never removed): the folder held a mix. Such a save is refused, naming the
+    index, before anything is written or removed."""
+    cfg = fd.Config.tiny()
+    fd.save_params(fd.init_params(cfg, seed=1), tmp_path, cfg, max_shard_bytes=300_000)
+    idx = tmp_path / ck.INDEX
+    if damage == "a folder":                    # an OSError on reading, not a parse error
+        idx.unlink()
+        idx.mkdir()
+    else:
+        idx.write_text(damage)
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if n != ck.INDEX}
+    with pytest.raises(CheckpointError, match="cannot be read") as e:
+        fd.save_params(fd.init_params(cfg, seed=2), tmp_path, cfg, max_shard_bytes=max_shard_bytes)
+    assert f"{idx} cannot be read" in str(e.value) and "nothing was written" in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, ck.INDEX])
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert idx.is_dir() if damage == "a folder" else idx.read_text() == damage
 
 
 def test_shard_tensor_missing_from_index_is_unexpected(tmp_path):
