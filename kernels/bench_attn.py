@@ -114,8 +114,7 @@ WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
-PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, s1_first="R"), dict(ctas=132, lazy=8.0))  # pp options in every
-                                                # round (132: the H200's SMs)
+PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, lazy=8.0))  # pp options in every round (132: the H200's SMs)
 
 
 def attention_diag(results, args):

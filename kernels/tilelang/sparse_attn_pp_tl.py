@@ -41,6 +41,10 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
   block before waiting for P1: each bitwise the same output, none faster beyond the noise (runs 59-62);
 - O stored from shared memory by the warpgroups' 16-byte stores instead of one TMA store, so a CTA need not wait
   for the TMA's reads before it exits: 3-7% slower (run 66).
+- consumer 1 issuing each S1's right half first and the producer gathering stage 1's right half first (at a query
+  boundary that half holds consumer 1's O, stored ~2800 cycles before consumer 0's): S1 starts ~700 cycles earlier
+  in a query's first pair, but the chain takes it back (a query 48398 traced cycles against 48178); -1% to +3%
+  over four pairs of rows, within the noise (run 88, H100).
 What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles against 4096 of tensor work at the
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
@@ -90,7 +94,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1) -> int:
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (216, 72), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, s1_first: str = "L"):
+                  ctas: int = 0, lazy: float = 0.0):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -128,12 +132,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     mean error is 1.00-1.07x the release numerics', run 69), with most of the ~256 FMULs a thread spends on O
     rescales per pair gone.
 
-    ``s1_first`` ("L": as above): "R" has consumer 1 issue each S1's right half first and the producer gather stage
-    1's right half before its left: at a query boundary (persistent) stage 1's right half holds consumer 1's O half,
-    which is stored ~1600 cycles before consumer 0's (BENCHMARKS run 85), so the next query's S1 can start on it
-    while consumer 0's epilogue still reads the left half. S1's halves are then summed right first (fp32 rounding of
-    S1 differs from "L"; the same recurrence otherwise).
-
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
@@ -154,8 +152,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
-    if s1_first not in ("L", "R"):
-        raise ValueError(f"fwd_kernel_pp: s1_first must be 'L' or 'R', got {s1_first!r}")
     if not 0 <= lazy <= 16:
         raise ValueError(f"fwd_kernel_pp: lazy must be in [0, 16] (log2 units; P <= 2^lazy in bf16), got {lazy!r}")
     P = ctas > 0
@@ -172,7 +168,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     factor, probs = softmax_macros(H, BI, c, lazy=LZ)   # lazy: a is exactly 1.0 where the max did not move
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
     L, R = 0, 1
-    S1A, S1B = (L, R) if s1_first == "L" else (R, L)   # consumer 1's S1 halves in issue order
 
     @T.macro
     def stamp(slot, t0s, Lse, bi, mi):
@@ -374,11 +369,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
             seed(2 * i + 1, acc_s, idx_s, ib)
-            T.barrier_wait(ready[2 + S1A], gp % 2)
-            qk_half(z, S1A, 1, acc_s, q_s, kv_s)
-            T.barrier_wait(ready[2 + S1B], gp % 2)
+            T.barrier_wait(ready[2 + L], gp % 2)
+            qk_half(z, L, 1, acc_s, q_s, kv_s)
+            T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
-            qk_half(z, S1B, 1, acc_s, q_s, kv_s)
+            qk_half(z, R, 1, acc_s, q_s, kv_s)
             T.barrier_wait(bar_p0, gp % 2)             # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
@@ -469,7 +464,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi):
         for i in T.serial(NP):
             gp = k * NP + i
-            for s, h in ((0, L), (0, R), (1, S1A), (1, S1B)):
+            for s, h in ((0, L), (0, R), (1, L), (1, R)):
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if diag == "compute":
                     if gp > 0:
