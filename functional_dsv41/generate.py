@@ -62,6 +62,12 @@ def _token_id(t, vocab_size: int) -> Optional[int]:
     return t if 0 <= t < vocab_size else None
 
 
+def _seed_range_error(seed: int) -> Optional[str]:
+    """None where ``torch.Generator.manual_seed`` takes the integer ``seed`` (outside [-2**63, 2**64) it raises
+    "Overflow when unpacking long long"), else why not. The one range: generate() and the CLI's --seed share it."""
+    return None if -2**63 <= seed < 2**64 else f"must be in [-2**63, 2**64), got {seed}"
+
+
 def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Optional[int]):
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
         prompts = [prompts] if prompts.ndim <= 1 else list(prompts)     # 0-d: refused below, with a hint
@@ -139,8 +145,8 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
         seed = operator.index(seed)
     except TypeError:
         raise ValueError(f"generate: seed must be an integer, got {seed!r}") from None
-    if not -2**63 <= seed < 2**64:               # what torch.Generator takes ("Overflow when unpacking long long")
-        raise ValueError(f"generate: seed must be in [-2**63, 2**64), got {seed}")
+    if (why := _seed_range_error(seed)) is not None:
+        raise ValueError(f"generate: seed {why}")
     dev = params["embed"]["weight"].device
     b = len(prompts)
     check_state_fits(cfg, b, max_seq_len or total, device=dev, who="generate")   # before any allocation
@@ -344,8 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not -2**63 <= args.seed < 2**64:          # torch.Generator's range (generate's own check, before the echo)
-        return fail(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+    if (why := _seed_range_error(args.seed)) is not None:     # generate's own check, before the echo
+        return fail(f"--seed {why}")
     prompt = args.prompt
     if args.chat is None and args.reasoning_effort is not None:
         return fail("--reasoning-effort needs --chat thinking")

@@ -251,3 +251,50 @@ def test_cli_temperature_defaults_to_the_config(tmp_path, monkeypatch, config_te
     with pytest.raises(Stop):
         gm.main(["--ckpt", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "2", *argv])
     assert seen["temperature"] == expected
+
+
+def test_seed_range_is_one_definition(monkeypatch, capsys):
+    """generate()'s seed check and the CLI's pre-echo --seed check read ONE definition of the range that
+    torch.Generator takes (it was written out twice, free to drift apart): narrowed, both refuse by it; as it is,
+    both take its ends and refuse just past them."""
+    import importlib
+    gm = importlib.import_module("functional_dsv41.generate")
+    cfg, params = random_model()
+    ckpt = str(fixture_dir("tiny-bf16"))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*a, seed, **kw):                     # the CLI got past its own checks and called generate
+        seen.append(seed)
+        raise Stop
+
+    def cli_refuses(seed):
+        with monkeypatch.context() as m:
+            m.setattr(gm, "generate", spy)
+            try:
+                rc = gm.main(["--ckpt", ckpt, "--prompt", "hi", "--max-new-tokens", "1", "--seed", str(seed)])
+            except Stop:
+                capsys.readouterr()              # the echoed prompt
+                return False
+        out, err = capsys.readouterr()
+        assert rc == 2 and out == "" and err.startswith("error: --seed "), (rc, out, err)
+        return True
+
+    def generate_refuses(seed):
+        try:
+            fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=1, temperature=1.0, seed=seed)
+        except ValueError as e:
+            assert str(e).startswith("generate: seed "), e
+            return True
+        return False
+
+    for seed in (-2**63, 2**64 - 1, -2**63 - 1, 2**64):
+        want = not -2**63 <= seed < 2**64
+        assert generate_refuses(seed) == cli_refuses(seed) == want, seed
+    # the one definition narrowed to [0, 8): both checks follow it
+    monkeypatch.setattr(gm, "_seed_range_error", lambda s: None if 0 <= s < 8 else f"must be in [0, 8), got {s}")
+    for seed, want in ((7, False), (8, True), (-1, True)):
+        assert generate_refuses(seed) == cli_refuses(seed) == want, seed
+    assert seen == [-2**63, 2**64 - 1, 7]
