@@ -61,8 +61,29 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def _path_str(path: tuple) -> str:
+def _path_str(path: tuple, who: str) -> str:
+    """The entries of ``path`` joined with ".". An entry that holds "." or is empty is refused: its path would
+    read back as other nesting (``{"a.b": x}`` as ``{"a": {"b": x}}``), and two trees would share one path set."""
+    for i, p in enumerate(path):
+        s = str(p)
+        if s == "" or "." in s:
+            where = f"under {'.'.join(str(q) for q in path[:i])!r}" if i else "at the top level"
+            why = "is empty (its path would have an empty part)" if s == "" else \
+                "contains '.' (its path would read back as nested keys)"
+            raise ValueError(f"{who}: the key {p!r} {where} {why}; a leaf's path is its keys joined with '.', "
+                             f"the checkpoint name (layers.3.attn.wq.weight) - rename the key")
     return ".".join(str(p) for p in path)
+
+
+def _flatten(tree, who: str) -> dict[str, Any]:
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace=OPTREE_NAMESPACE)
+    out = {}
+    for p, leaf in zip(paths, leaves):
+        key = _path_str(p, who)
+        if key in out:
+            raise ValueError(f"{who}: two leaves share the path {key!r}")
+        out[key] = leaf
+    return out
 
 
 def flatten_with_paths(tree) -> dict[str, Any]:
@@ -71,16 +92,10 @@ def flatten_with_paths(tree) -> dict[str, Any]:
     List indices appear as numbers, dataclass carriers by field name. The order is optree's (dict
     keys sorted at each level, lists in index order, carriers in field order), so two trees with the
     same structure flatten in the same order however they were built. ``None`` is an empty node, not
-    a leaf (it does not appear).
+    a leaf (it does not appear). A dict key that contains "." or is empty is a ValueError naming the key
+    and where it is: its path could not be told from a deeper one (``{"a.b": x}`` and ``{"a": {"b": x}}``).
     """
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace=OPTREE_NAMESPACE)
-    out = {}
-    for p, leaf in zip(paths, leaves):
-        key = _path_str(p)
-        if key in out:
-            raise ValueError(f"flatten_with_paths: two leaves share the path {key!r}")
-        out[key] = leaf
-    return out
+    return _flatten(tree, "flatten_with_paths")
 
 
 def unflatten_from_paths(flat: dict[str, Any]):
@@ -88,11 +103,15 @@ def unflatten_from_paths(flat: dict[str, Any]):
 
     Paths are split on "."; a level becomes a Python list when its keys are exactly ``0..n-1``
     (in any order), else a dict (in first-seen key order). ``{"layers.0.w": a, "layers.1.w": b}``
-    -> ``{"layers": [{"w": a}, {"w": b}]}``. A path that is both a leaf and a prefix is refused.
+    -> ``{"layers": [{"w": a}, {"w": b}]}``. A path that is both a leaf and a prefix is refused, and so is
+    one with an empty part (``""``, ``"a..b"``, ``"a."``): no dict/list tree flattens to one.
     """
     root: dict = {}
     for key, leaf in flat.items():
         parts = key.split(".")
+        if "" in parts:
+            raise ValueError(f"unflatten_from_paths: the path {key!r} has an empty part (a path is keys joined "
+                             f"with '.', none of them empty)")
         node = root
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
@@ -119,9 +138,9 @@ def unflatten_from_paths(flat: dict[str, Any]):
 def tree_map_with_path(fn: Callable[[str, Any], Any], tree, *rest):
     """``fn(path, leaf, *rest_leaves)`` over every leaf; returns a tree of the same structure.
 
-    ``path`` is the "."-joined checkpoint name (see :func:`flatten_with_paths`).
+    ``path`` is the "."-joined checkpoint name (see :func:`flatten_with_paths`; the same keys are refused).
     """
-    return optree.tree_map_with_path(lambda p, x, *r: fn(_path_str(p), x, *r), tree, *rest,
+    return optree.tree_map_with_path(lambda p, x, *r: fn(_path_str(p, "tree_map_with_path"), x, *r), tree, *rest,
                                      namespace=OPTREE_NAMESPACE)
 
 
@@ -250,7 +269,7 @@ def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
     """
     if atol is not None and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0):
         raise TypeError(f"tree_diff: atol must be None or a number >= 0, got {atol!r}")
-    fa, fb = flatten_with_paths(a), flatten_with_paths(b)
+    fa, fb = _flatten(a, "tree_diff (a)"), _flatten(b, "tree_diff (b)")
     rows = []
     for path in list(fa) + [p for p in fb if p not in fa]:
         if path not in fb:

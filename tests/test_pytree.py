@@ -1,5 +1,6 @@
 """Path-keyed pytree tools and tree_diff (functional_dsv41/pytree.py)."""
 import dataclasses
+import re
 from typing import Optional
 
 import pytest
@@ -49,6 +50,31 @@ def test_unflatten_lists_only_for_dense_indices():
         fd.unflatten_from_paths({"a": a, "a.b": b})
     with pytest.raises(ValueError, match="a"):
         fd.unflatten_from_paths({"a.b": b, "a": a})
+
+
+def test_keys_with_a_dot_or_empty_are_refused():
+    """A dict key holding "." flattened to a path that read back as deeper nesting ({"a.b": x} -> "a.b" ->
+    {"a": {"b": x}}), so two different trees shared one path set; an empty key left an empty path part. Such a key
+    is a ValueError naming it and where it sits; unflatten_from_paths refuses empty parts for the same reason."""
+    x = torch.ones(1)
+    for tree, key, where in [({"a.b": x}, "'a.b'", "at the top level"),
+                             ({"layers": [{"attn": {"wq.weight": x}}]}, "'wq.weight'", "under 'layers.0.attn'"),
+                             ({"a": {"": x}}, "''", "under 'a'"),
+                             ({"a": {1.5: x}}, "1.5", "under 'a'")]:
+        with pytest.raises(ValueError, match=rf"^flatten_with_paths: the key {re.escape(key)} {where} "):
+            fd.flatten_with_paths(tree)
+        with pytest.raises(ValueError, match=rf"^tree_map_with_path: the key {re.escape(key)} {where} "):
+            fd.tree_map_with_path(lambda p, v: v, tree)
+    # the two trees that shared the path set {"a.b"}: the nested one flattens and round-trips, the other is refused
+    nested = {"a": {"b": x}}
+    assert list(fd.flatten_with_paths(nested)) == ["a.b"]
+    back = fd.unflatten_from_paths(fd.flatten_with_paths(nested))
+    assert list(back) == ["a"] and list(back["a"]) == ["b"] and back["a"]["b"] is x
+    with pytest.raises(ValueError, match=r"^tree_diff \(b\): the key 'a.b' at the top level"):
+        fd.tree_diff(nested, {"a.b": x})
+    for path in ("", "a..b", "a.", ".a"):
+        with pytest.raises(ValueError, match=rf"^unflatten_from_paths: the path {re.escape(repr(path))} has an empty"):
+            fd.unflatten_from_paths({path: x})
 
 
 def test_tree_map_with_path():
