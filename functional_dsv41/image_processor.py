@@ -1,6 +1,6 @@
 """Image preprocessing for the vision tower (SPEC §12 "Preprocessing"; reference ``image_processor.py``).
 
-    image (PIL / PNG bytes / uint8 array [h, w, 3])
+    image (PIL / PNG bytes / uint8 array [h, w, 3] or [3, h, w]: to_rgb_array)
       -> plan: upscale below min_pixels, ceil to patch multiples, shrink over the token budget
       -> ImageOps.pad equivalent: aspect-kept bicubic resize into [best_h, best_w], centred, grey 127
       -> (x/255 - 0.5)/0.5 -> bf16 -> patches [n_vit_h*n_vit_w, 3, 14, 14] (row-major patch order)
@@ -98,12 +98,29 @@ def decode_png(data: bytes) -> np.ndarray:
     return out.reshape(h, w, bpp).astype(np.uint8)
 
 
-def to_rgb_array(image) -> np.ndarray:
-    """PIL image, encoded bytes, or uint8 array/tensor [h, w, 3|4|1] -> uint8 RGB array [h, w, 3]."""
+_CHANNELS = (1, 2, 3, 4)        # grey, grey + alpha, RGB, RGBA
+_LAYOUTS = (None, "hwc", "chw")
+
+
+def to_rgb_array(image, layout: str | None = None) -> np.ndarray:
+    """PIL image, encoded bytes (PNG; any format with Pillow) or a uint8 array/tensor -> uint8 RGB array [h, w, 3].
+
+    An array or tensor is [h, w] (grey) or 3-D with c = 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA) channels
+    (alpha is dropped, as Pillow's ``convert("RGB")`` does), laid out as ``layout`` says: "hwc", channels last
+    (numpy's and PIL's [h, w, c]), or "chw", channels first (torch's [c, h, w], e.g. torchvision's ``read_image``).
+    With ``layout=None`` the shape decides: channels last when only the last dim is 1-4, channels first when only the
+    first is; a shape whose first and last dims are both 1-4 (``[3, h, 4]``: an RGB image 4 pixels wide, or an RGBA
+    image 3 pixels tall) is a ValueError asking for ``layout``. PIL images and bytes decode to [h, w, c], so
+    ``layout`` is "hwc" or None for them.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"to_rgb_array: layout must be None, 'hwc' or 'chw', got {layout!r}")
+    decoded = False
     if isinstance(image, dict) and "data" in image:            # the reference's {'data': bytes}
         image = image["data"]
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
+        decoded = True
         try:
             from PIL import Image
             image = Image.open(io.BytesIO(data))
@@ -111,18 +128,39 @@ def to_rgb_array(image) -> np.ndarray:
             image = decode_png(data)
     if hasattr(image, "convert") and hasattr(image, "size"):    # PIL.Image
         image = np.asarray(image.convert("RGB"))
+        decoded = True
+    if decoded:
+        if layout == "chw":
+            raise ValueError("to_rgb_array: layout='chw' is for arrays and tensors; a PIL image or encoded bytes "
+                             "decode to [h, w, c]")
+        layout = "hwc"
     arr = image.numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if arr.dtype != np.uint8 or arr.ndim not in (2, 3):
-        raise ValueError(f"image: expected uint8 [h, w, c], got {arr.dtype} {arr.shape}")
+        raise ValueError(f"image: expected uint8 [h, w], [h, w, c] or [c, h, w], got {arr.dtype} {arr.shape}")
+    given = tuple(arr.shape)
     if arr.ndim == 2:
         arr = arr[..., None]
+    elif layout is None:
+        first, last = arr.shape[0] in _CHANNELS, arr.shape[2] in _CHANNELS
+        if first and last:
+            raise ValueError(f"image: the shape {given} reads as [h, w, c] or as [c, h, w] (both end dims "
+                             f"could be 1-4 channels); say which with layout='hwc' or layout='chw' "
+                             f"(to_rgb_array / load_image)")
+        if not (first or last):
+            raise ValueError(f"image: the shape {given} has no channel dim: neither its first nor its last dim is "
+                             f"1-4 (grey, grey + alpha, RGB, RGBA)")
+        layout = "chw" if first else "hwc"
+    if layout == "chw":
+        arr = arr.transpose(1, 2, 0)
     c = arr.shape[2]
     if c in (1, 2):          # grey (+alpha): alpha dropped as Pillow's convert("RGB") does
         arr = np.repeat(arr[..., :1], 3, axis=2)
     elif c == 4:
         arr = arr[..., :3]
     elif c != 3:
-        raise ValueError(f"image: {c} channels")
+        shape = "[c, h, w]" if layout == "chw" else "[h, w, c]"
+        raise ValueError(f"image: {c} channels in the {shape} shape {given} (1-4: grey, grey + alpha, "
+                         f"RGB, RGBA)")
     return np.ascontiguousarray(arr)
 
 
@@ -279,10 +317,11 @@ def patchify(canvas: np.ndarray, patch: int) -> torch.Tensor:
     return x.reshape(-1, c, patch, patch).contiguous()
 
 
-def load_image(image, cfg) -> tuple[torch.Tensor, tuple[int, int]]:
+def load_image(image, cfg, *, layout: str | None = None) -> tuple[torch.Tensor, tuple[int, int]]:
     """Image -> (patches bf16 [n_vit_h*n_vit_w, 3, p, p], (n_vit_h, n_vit_w)): the value that
-    ``batch["images"]`` takes per image (SPEC §12; see ``functional_dsv41.vision``)."""
-    rgb = to_rgb_array(image)
+    ``batch["images"]`` takes per image (SPEC §12; see ``functional_dsv41.vision``). ``image`` and ``layout``
+    as :func:`to_rgb_array` takes them."""
+    rgb = to_rgb_array(image, layout)
     plan = plan_image_grid(rgb.shape[1], rgb.shape[0], cfg)
     canvas = pad_to(rgb, plan["best_w"], plan["best_h"])
     return patchify(canvas, cfg.vision_patch_size), (plan["n_vit_h"], plan["n_vit_w"])

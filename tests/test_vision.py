@@ -420,3 +420,51 @@ def test_decode_png_filters_and_damaged_files():
                         (b"\xff\xd8\xff\xe0 a jpeg", "pip install pillow")]:
         with pytest.raises(ValueError, match=match):
             ip.decode_png(data)
+
+
+def test_to_rgb_array_layout():
+    """A [3, h, w] array or tensor with w <= 4 was read as channels last (an image 3 pixels tall), with w > 4 it was
+    'image: w channels'. The rule now: channels last where only the last dim is 1-4 (as before), channels first where
+    only the first is, and a shape where both are is refused unless ``layout`` says which."""
+    rng = np.random.default_rng(3)
+    hwc = rng.integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(hwc.transpose(2, 0, 1))
+    for x in (hwc, torch.from_numpy(hwc)):                       # channels last: as before
+        assert np.array_equal(ip.to_rgb_array(x), hwc)
+        assert np.array_equal(ip.to_rgb_array(x, layout="hwc"), hwc)
+    for x in (chw, torch.from_numpy(chw)):                       # channels first: torch's [c, h, w]
+        assert np.array_equal(ip.to_rgb_array(x), hwc)
+        assert np.array_equal(ip.to_rgb_array(x, layout="chw"), hwc)
+    rgba = rng.integers(0, 256, (5, 7, 4), dtype=np.uint8)       # alpha dropped, grey repeated, either layout
+    assert np.array_equal(ip.to_rgb_array(rgba), rgba[..., :3])
+    assert np.array_equal(ip.to_rgb_array(rgba.transpose(2, 0, 1)), rgba[..., :3])
+    grey = rng.integers(0, 256, (5, 7), dtype=np.uint8)
+    for x in (grey, grey[..., None], grey[None]):
+        assert np.array_equal(ip.to_rgb_array(x), np.repeat(grey[..., None], 3, axis=2))
+    # ambiguous: [3, 5, 4] is a 3 x 5 RGBA image or an RGB image 5 tall and 4 wide
+    amb = rng.integers(0, 256, (3, 5, 4), dtype=np.uint8)
+    for x in (amb, torch.from_numpy(amb)):
+        with pytest.raises(ValueError, match=r"\(3, 5, 4\) reads as \[h, w, c\] or as \[c, h, w\].*layout='hwc' or "
+                                             r"layout='chw'"):
+            ip.to_rgb_array(x)
+        assert np.array_equal(ip.to_rgb_array(x, layout="hwc"), amb[..., :3])
+        assert np.array_equal(ip.to_rgb_array(x, layout="chw"), amb.transpose(1, 2, 0))
+    cfg, _, _ = setup()
+    with pytest.raises(ValueError, match="reads as"):
+        ip.load_image(amb, cfg)
+    a, grid_a = ip.load_image(amb, cfg, layout="chw")
+    b, grid_b = ip.load_image(np.ascontiguousarray(amb.transpose(1, 2, 0)), cfg)   # (5, 4, 3): unambiguous
+    assert grid_a == grid_b and torch.equal(a, b)
+    # decoded images are channels last whatever their size: a 3 x 4 PNG is not ambiguous
+    png = _png(amb[..., :3].copy())
+    assert np.array_equal(ip.to_rgb_array(png), amb[..., :3])
+    assert np.array_equal(ip.to_rgb_array({"data": png}, layout="hwc"), amb[..., :3])
+    with pytest.raises(ValueError, match="layout='chw' is for arrays and tensors"):
+        ip.to_rgb_array(png, layout="chw")
+    with pytest.raises(ValueError, match="layout must be None, 'hwc' or 'chw', got 'CHW'"):
+        ip.to_rgb_array(hwc, layout="CHW")
+    # no channel dim at either end, or a stated layout whose channel dim is not 1-4
+    with pytest.raises(ValueError, match=r"\(6, 5, 7\) has no channel dim"):
+        ip.to_rgb_array(np.zeros((6, 5, 7), np.uint8))
+    with pytest.raises(ValueError, match=r"5 channels in the \[c, h, w\] shape \(5, 7, 3\)"):
+        ip.to_rgb_array(hwc, layout="chw")
