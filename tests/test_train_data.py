@@ -1,5 +1,6 @@
 """Packing, targets and the resumable data iterator (no model needed)."""
 import numpy as np
+import pytest
 import torch
 
 from functional_dsv41.train import data as D
@@ -97,3 +98,118 @@ def test_a_corpus_line_is_one_sample_whatever_unicode_separators_it_holds(tmp_pa
     tok = T.load_tokenizer()
     assert [tok.decode(s[1:-1].tolist()) for s in samples] == [
         "Once upon a time\u2028there was a cat.", "The dog\x0cran away.", "End"]
+
+
+def _added_tokens(path=T.TOKENIZER_JSON):
+    import json
+    with open(path, encoding="utf-8") as fh:
+        return {t["content"]: t["id"] for t in json.load(fh)["added_tokens"]}
+
+
+def test_special_token_text_in_the_corpus_is_tokenized_as_text(tmp_path):
+    # a line quoting "<｜▁pad▁｜>" or "<｜end▁of▁sentence｜>" was encoded as the control id: padding (no target)
+    # or an end of sample in the middle of a sample, and decode() dropped it
+    added = _added_tokens()
+    assert {T.BOS, T.EOS, T.PAD} <= set(added)
+    lines = [f"a cat{text}sat on the mat" for text in added] + [" ".join(added)]
+    p = tmp_path / "c.txt"
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    samples = D.load_samples(str(p), T.TOKENIZER_JSON)
+    tok = T.load_tokenizer()
+    control = set(added.values())
+    assert len(samples) == len(lines)
+    for line, s in zip(lines, samples):
+        assert s[0] == 0 and s[-1] == 1                       # the wrapping BOS/EOS are the only control ids
+        assert not control & set(s[1:-1].tolist()), (line, s.tolist())
+        assert tok.decode(s[1:-1].tolist()) == line           # text, spelled in byte tokens, decodes back
+    # packed, a sample quoting the pad token's text has a target at every token but its EOS
+    s = samples[list(added).index(T.PAD)]
+    ids, pos = D.pack([s], row_len=len(s) + 4, pad_id=2)
+    lab = D.make_labels(torch.from_numpy(ids), torch.from_numpy(pos), 2)
+    assert int((lab != D.IGNORE).sum()) == len(s) - 1
+    # the user-facing tokenizer (prompts, generate) still reads special-token text as the control id
+    assert tok.encode(f"hi{T.EOS}").ids[-1] == 1
+
+
+def test_shipped_corpus_ids_are_the_plain_encoding():
+    # the shipped corpus quotes no special token, so corpus encoding changes none of its ids
+    with open(T.CORPUS_TXT, encoding="utf-8") as fh:
+        text = fh.read()
+    assert not [t for t in _added_tokens() if t in text]
+    tok = T.load_tokenizer()
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    samples = D.load_samples(T.CORPUS_TXT, T.TOKENIZER_JSON)
+    assert [s.tolist() for s in samples] == [[0] + e.ids + [1] for e in tok.encode_batch(lines)]
+
+
+def test_load_tokenizer_returns_a_fresh_object_so_settings_do_not_leak(tmp_path):
+    # load_tokenizer() returned one cached Tokenizer: a caller's enable_truncation truncated the corpus samples
+    p = tmp_path / "c.txt"
+    p.write_text("Once upon a time, there was a kind cat named Lily who loved to play.\n")
+    n = len(D.load_samples(str(p), T.TOKENIZER_JSON)[0])
+    assert n > 12
+    tok = T.load_tokenizer()
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(pad_id=2, length=8)
+    tok.add_special_tokens(["<extra>"])
+    assert len(D.load_samples(str(p), T.TOKENIZER_JSON)[0]) == n
+    other = T.load_tokenizer()
+    assert other is not tok and other.truncation is None and other.padding is None
+    assert other.get_vocab_size() == tok.get_vocab_size() - 1 == T.special_ids()["vocab_size"]
+    # a tokenizer file that itself carries truncation/padding settings does not cut corpus samples either
+    tok_json = tmp_path / "tok.json"
+    tok.save(str(tok_json))
+    s = D.load_samples(str(p), str(tok_json))[0]
+    assert len(s) == n and 2 not in s.tolist()
+
+
+def test_pack_and_iterator_refuse_bad_sizes_by_name():
+    s = [np.arange(3, dtype=np.int64) + 10]
+    for la in (0, -1):
+        with pytest.raises(ValueError, match=rf"lookahead must be an integer >= 1, got {la}"):
+            D.pack(s, row_len=4, pad_id=2, lookahead=la)
+        with pytest.raises(ValueError, match="lookahead"):
+            D.PackedData(s, row_len=4, batch_size=1, pad_id=2, lookahead=la)
+    with pytest.raises(ValueError, match="pack: no samples"):
+        D.pack([], row_len=4, pad_id=2)
+    with pytest.raises(ValueError, match="no tokens"):
+        D.pack([np.zeros(0, dtype=np.int64)], row_len=4, pad_id=2)
+    for bs in (0, -1):
+        with pytest.raises(ValueError, match=rf"batch_size must be an integer >= 1, got {bs}"):
+            D.PackedData(s, row_len=4, batch_size=bs, pad_id=2)
+    with pytest.raises(ValueError, match="row_len must be an integer >= 2, got 1"):   # at construction
+        D.PackedData(s, row_len=1, batch_size=1, pad_id=2)
+    with pytest.raises(ValueError, match="row_len"):
+        D.pack(s, row_len=1, pad_id=2)
+
+
+def test_set_state_accepts_every_reachable_state_and_refuses_others():
+    samples = _samples([5, 12, 3, 20, 7, 1, 9, 4, 4, 6])
+    a = D.PackedData(samples, row_len=8, batch_size=3, pad_id=2, seed=1)
+    rows = len(a.epoch_rows(0)[0])
+    assert rows % 3 != 0                                   # batches end mid-epoch and at other offsets
+    states, batches = [a.state()], []
+    for _ in range(3 * rows):                              # 9 epochs of rows: every offset is reached
+        batches.append(a.next_batch())
+        states.append(a.state())
+    assert {0} < {st["offset"] for st in states} and max(st["epoch"] for st in states) >= 2
+    for i, st in enumerate(states[:-1]):
+        b = D.PackedData(samples, row_len=8, batch_size=3, pad_id=2, seed=1)
+        b.set_state(st)
+        got = b.next_batch()
+        assert all(torch.equal(got[k], batches[i][k]) for k in got) and b.state() == states[i + 1]
+    b = D.PackedData(samples, row_len=8, batch_size=3, pad_id=2, seed=1)
+    b.set_state({"epoch": 1, "offset": 2})
+    bad = [({"epoch": -1, "offset": 0}, "epoch must be >= 0, got -1"),
+           ({"epoch": 0, "offset": -1}, rf"offset -1 out of range for epoch 0, which has {rows} rows"),
+           ({"epoch": 0, "offset": rows}, rf"offset {rows} out of range"),
+           ({"epoch": 3, "offset": 999}, rf"offset 999 out of range for epoch 3"),
+           ({"epoch": 0}, "'offset' missing"),
+           ({"epoch": 0, "offset": 1.5}, "offset must be an integer, got 1.5"),
+           ({"epoch": True, "offset": 0}, "epoch must be an integer")]
+    for st, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            b.set_state(st)
+        assert b.state() == {"epoch": 1, "offset": 2}      # a refused state changes nothing
+    b.set_state({"epoch": np.int64(2), "offset": np.int64(rows - 1)})
+    assert b.state() == {"epoch": 2, "offset": rows - 1}

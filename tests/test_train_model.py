@@ -223,3 +223,33 @@ def test_params_no_active_loss_reaches_are_frozen():
             assert in_tr == (part not in frozen_parts), (coefs, part)
             if part in frozen_parts:
                 assert any(part in k for k in fr), (coefs, part)
+
+
+def test_draft_loss_leaves_out_padding_and_needs_pad_id(setup):
+    """With pad_id=None the draft and indexer-KL parts averaged the packed rows' padding in; now they refuse, and
+    with pad_id the draft is the mean per-token CE over the real (non-padding, in-sample) targets."""
+    _, _, _, batch = setup
+    assert bool((batch["input_ids"] == PAD).any())                     # the rows are padded
+    cfg = run.PRESETS["tiny-dspark"][0](T.TOKENIZER_JSON)
+    from functional_dsv41.dspark import dspark_forward
+    from functional_dsv41.engram import build_token_map
+    tm = torch.as_tensor(build_token_map(T.TOKENIZER_JSON), dtype=torch.int64)
+    tr, fr = run.init_train_params(cfg, run.RunConfig(loss_draft=1.0), tm)
+    params = _params(cfg, tr, fr)
+    seen = {}
+
+    def spy(*a, **k):
+        seen["d"] = dspark_forward(*a, **k)
+        return seen["d"]
+    for coefs in ({"draft": 1.0}, {"ce": 1.0, "indexer_kl": 0.1}):
+        with pytest.raises(ValueError, match=r"are on but pad_id is None"):
+            L.compute_losses(params, batch, cfg=cfg, coefs=coefs, forward=fd.forward, draft_forward=spy)
+    with torch.no_grad():
+        _, parts = L.compute_losses(params, batch, cfg=cfg, coefs={"draft": 1.0}, forward=fd.forward, pad_id=PAD,
+                                    draft_forward=spy)
+    d = seen["d"]
+    real = (d.targets >= 0) & (d.targets != PAD)
+    assert bool(((d.targets == PAD) & (d.targets >= 0)).any())        # padding had draft targets to leave out
+    want = L.per_token_ce(d.logits, torch.where(real, d.targets, torch.full_like(d.targets, L.IGNORE))).sum() \
+        / real.sum()
+    torch.testing.assert_close(parts["draft"], want, rtol=1e-5, atol=1e-6)

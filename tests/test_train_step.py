@@ -1,4 +1,6 @@
 """Step plumbing without the model: remat under torch.func, the trainable/frozen split."""
+import re
+
 import pytest
 import torch
 from torch.func import grad_and_value
@@ -90,4 +92,55 @@ def test_draft_loss_without_dspark_stages_is_named():
     with pytest.raises(ValueError, match=r"no DSpark stages \(n_mtp_layers=0\)"):
         L.compute_losses({"table": torch.zeros(4, 4)}, {"input_ids": ids, "labels": ids},
                          cfg=SimpleNamespace(n_mtp_layers=0), coefs={"ce": 1.0, "draft": 0.5},
-                         forward=_bigram_forward, draft_forward=draft_forward)
+                         forward=_bigram_forward, draft_forward=draft_forward, pad_id=0)
+
+
+def test_draft_and_indexer_kl_refuse_a_missing_pad_id():
+    """Their targets / query tokens carry no label marking padding: without pad_id they averaged the padding of
+    packed rows in. CE alone needs no pad_id (its labels mark padding)."""
+    from types import SimpleNamespace
+    from functional_dsv41.train import loss as L
+    ids = torch.tensor([[5, 6, 7, 0, 0]])
+    labels = torch.tensor([[6, 7, -100, -100, -100]])
+    calls = []
+
+    def forward(params, inputs, *, cfg, state=None, mode="dequant", aux=False):
+        calls.append(1)
+        return _bigram_forward(params, inputs, cfg=cfg)
+    for coefs, parts in (({"ce": 1.0, "draft": 0.5}, "['draft']"), ({"indexer_kl": 0.1}, "['indexer_kl']"),
+                         ({"ce": 1.0, "draft": 1.0, "indexer_kl": 1.0}, "['draft', 'indexer_kl']")):
+        msg = re.escape(f"loss part(s) {parts} are on but pad_id is None")
+        with pytest.raises(ValueError, match=msg):
+            S.make_step(None, frozen={}, dtypes={"table": torch.float32}, forward=forward, coefs=coefs)
+        with pytest.raises(ValueError, match=msg):
+            L.compute_losses({"table": torch.zeros(8, 8)}, {"input_ids": ids, "labels": labels},
+                             cfg=SimpleNamespace(n_mtp_layers=1), coefs=coefs, forward=forward)
+    assert not calls                                              # refused before any forward
+    # an off part (coefficient <= 0) needs nothing; CE alone runs without pad_id
+    S.make_step(None, frozen={}, dtypes={"table": torch.float32}, forward=forward,
+                coefs={"ce": 1.0, "draft": 0.0, "indexer_kl": -1.0})
+    total, parts = L.compute_losses({"table": torch.zeros(8, 8)}, {"input_ids": ids, "labels": labels},
+                                    cfg=None, coefs={"ce": 1.0}, forward=forward)
+    assert set(parts) == {"ce"} and calls
+
+
+def test_per_token_ce_any_number_of_leading_dims():
+    """transpose(1, -1) put the class axis right only for 3-D logits: 4-D draft logits [b, n, B, V] with n == B
+    came out silently transposed."""
+    import torch.nn.functional as F
+    from functional_dsv41.train import loss as L
+    g = torch.Generator().manual_seed(0)
+    for shape in ((2, 4, 4), (2, 3, 5), (3, 4), (2, 3, 4, 4)):
+        V = 11
+        logits = torch.randn(*shape, V, generator=g)
+        labels = torch.randint(0, V, shape, generator=g)
+        labels.view(-1)[::3] = L.IGNORE
+        want = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none",
+                               ignore_index=L.IGNORE).view(shape)
+        got = L.per_token_ce(logits, labels)
+        assert got.shape == shape
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        n = (labels != L.IGNORE).sum()
+        torch.testing.assert_close(got.sum() / n, L.cross_entropy(logits, labels), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"per_token_ce: logits \(2, 4, 11\) must be labels' shape \(4, 2\)"):
+        L.per_token_ce(torch.zeros(2, 4, 11), torch.zeros(4, 2, dtype=torch.long))

@@ -1,6 +1,7 @@
 """Packed training rows from the shipped corpus, with an exactly resumable position.
 
-Samples: one corpus line = one sample = ``[BOS] + tokens + [EOS]``.
+Samples: one corpus line = one sample = ``[BOS] + tokens + [EOS]``; the line is text throughout (special-token
+text in it is spelled in byte tokens, see ``load_samples``).
 
 Packing (``pack``), per epoch, deterministic in (seed, epoch):
   1. the samples are shuffled (``numpy.random.default_rng([seed, epoch])``);
@@ -32,9 +33,14 @@ IGNORE = -100
 
 
 def load_samples(corpus: str, tokenizer_json: str, bos: int = 0, eos: int = 1) -> list[np.ndarray]:
-    """Tokenize ``corpus`` (one sample per non-empty line) into int64 arrays ``[BOS] + ids + [EOS]``."""
-    from .tokenizer import load_tokenizer
-    tok = load_tokenizer(tokenizer_json)
+    """Tokenize ``corpus`` (one sample per non-empty line) into int64 arrays ``[BOS] + ids + [EOS]``.
+
+    A line is text: special-token text in it (``<｜end▁of▁sentence｜>``, the pad token's text...) becomes the
+    byte tokens that spell it, not the control id (``tokenizer.corpus_tokenizer``), so the only control ids in
+    a sample are the BOS/EOS added here - a document quoting ``<｜▁pad▁｜>`` must not turn into padding (no
+    target) or an end of sample inside the row."""
+    from .tokenizer import corpus_tokenizer
+    tok = corpus_tokenizer(tokenizer_json)
     with open(corpus, encoding="utf-8") as fh:
         # iterate, not str.splitlines(): that also splits at U+2028/2029, U+0085, \f, \v and \x1c-\x1e, which web
         # text carries inside a line; a line ends at \n, \r\n or \r only (universal newlines)
@@ -42,7 +48,8 @@ def load_samples(corpus: str, tokenizer_json: str, bos: int = 0, eos: int = 1) -
         lines = [ln for ln in lines if ln.strip()]
     if not lines:
         raise ValueError(f"{corpus}: no samples (empty corpus)")
-    return [np.asarray([bos] + e.ids + [eos], dtype=np.int64) for e in tok.encode_batch(lines)]
+    return [np.asarray([bos] + e.ids + [eos], dtype=np.int64)
+            for e in tok.encode_batch(lines, add_special_tokens=False)]
 
 
 def pack(samples: list[np.ndarray], row_len: int, pad_id: int, lookahead: int = 64
@@ -52,8 +59,9 @@ def pack(samples: list[np.ndarray], row_len: int, pad_id: int, lookahead: int = 
     See the module docstring for the rules. Deterministic; every token of every sample is in exactly
     one row.
     """
-    if row_len < 2:
-        raise ValueError(f"row_len must be >= 2, got {row_len}")
+    _check_sizes(row_len=row_len, lookahead=lookahead)
+    if len(samples) == 0:
+        raise ValueError("pack: no samples")
     pieces = (s[i:i + row_len] for s in samples for i in range(0, len(s), row_len))
     buf: deque = deque()
     rows_ids, rows_pos = [], []
@@ -82,7 +90,17 @@ def pack(samples: list[np.ndarray], row_len: int, pad_id: int, lookahead: int = 
         pos[used:] = np.arange(row_len - used)  # padding: a segment of its own
         rows_ids.append(ids)
         rows_pos.append(pos)
+    if not rows_ids:
+        raise ValueError(f"pack: the {len(samples)} sample(s) hold no tokens (every one is empty)")
     return np.stack(rows_ids), np.stack(rows_pos)
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Each of ``row_len`` (>= 2: a token and its target), ``lookahead``, ``batch_size`` (>= 1) is an int in range."""
+    for name, v in sizes.items():
+        lo = 2 if name == "row_len" else 1
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
 def make_labels(ids: torch.Tensor, positions: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -101,8 +119,9 @@ class PackedData:
 
     def __init__(self, samples: list[np.ndarray], *, row_len: int, batch_size: int, pad_id: int,
                  seed: int = 0, lookahead: int = 64):
-        if not samples:
+        if len(samples) == 0:
             raise ValueError("PackedData: no samples")
+        _check_sizes(row_len=row_len, batch_size=batch_size, lookahead=lookahead)
         self.samples, self.row_len, self.batch_size = samples, row_len, batch_size
         self.pad_id, self.seed, self.lookahead = pad_id, seed, lookahead
         self.epoch, self.offset = 0, 0
@@ -121,7 +140,26 @@ class PackedData:
         return {"epoch": int(self.epoch), "offset": int(self.offset)}
 
     def set_state(self, state: dict) -> None:
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        """Resume at ``state`` (what ``state()`` returned): ``epoch >= 0`` and ``0 <= offset < rows`` of that
+        epoch - ``next_batch`` moves to (epoch + 1, 0) as soon as an epoch's last row is taken, so an offset at or
+        past the end is no state this iterator reaches (e.g. a checkpoint from another --seq_len or corpus)."""
+        vals = {}
+        for k in ("epoch", "offset"):
+            if k not in state:
+                raise ValueError(f"PackedData.set_state: {k!r} missing from {state!r}")
+            v = state[k]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"PackedData.set_state: {k} must be an integer, got {v!r}")
+            vals[k] = int(v)
+        epoch, offset = vals["epoch"], vals["offset"]
+        if epoch < 0:
+            raise ValueError(f"PackedData.set_state: epoch must be >= 0, got {epoch}")
+        n_rows = len(self.epoch_rows(epoch)[0])
+        if not 0 <= offset < n_rows:
+            raise ValueError(f"PackedData.set_state: offset {offset} out of range for epoch {epoch}, which has "
+                             f"{n_rows} rows (0 <= offset < {n_rows}); is the state from another corpus, "
+                             f"seq_len or seed?")
+        self.epoch, self.offset = epoch, offset
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         ids, pos = [], []

@@ -6,15 +6,16 @@ Parts (``LOSS_NAMES``):
   - ``draft``: DSpark draft cross-entropy (optional): ``fd.dspark_forward`` (stateless, teacher-forced
     draft over the packed rows, fed the main forward's ``main_hidden``) gives, for every anchor
     position p, the draft logits of the block after p and their targets (tokens p+2.. of the same
-    sample, -1 past it); mean CE over the valid, non-padding targets. ``draft_anchor_stride`` > 1
-    drafts after every k-th position only (the draft costs anchors x block queries).
+    sample, -1 past it); mean CE over the valid, non-padding targets (needs ``pad_id``).
+    ``draft_anchor_stride`` > 1 drafts after every k-th position only (the draft costs anchors x block queries).
   - ``indexer_kl``: lightning-indexer distillation (optional, off by default): per index-source
     layer, KL(teacher ‖ softmax(student)) over the selected compressed slots, where the teacher is
     the attention's own probability mass on each selected slot (detached; summed over heads if it has
     a head axis, renormalised over the slots) and the student the indexer's scores at those slots
     before the candidate mask. The indexer's inputs are detached in the forward (DeepSeek-V3.2), so this
     part trains the indexer's weights only and the other parts never reach them. Mean over query tokens
-    that have at least one valid slot, then over layers. Needs ``forward(..., aux=True)`` to return ``out.aux["indexer"]``.
+    that have at least one valid slot and are not padding (needs ``pad_id``), then over layers. Needs
+    ``forward(..., aux=True)`` to return ``out.aux["indexer"]``.
 
 A coefficient ``<= 0`` switches its part OFF: it is not computed at all (no forward extras, no graph),
 not a zero-weighted term. ``compute_losses`` raises if every part is off.
@@ -52,9 +53,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def per_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """CE per position [b, s] (0 where there is no target): for tests and evaluation."""
+    """CE per position, shaped like ``labels`` (0 where there is no target): for tests and evaluation.
+
+    logits ``[..., V]`` with any number of leading dims (``[b, s, V]``, the draft's ``[b, n, B, V]``), labels
+    ``[...]``: the class axis is the last one (moved to dim 1, where ``F.cross_entropy`` wants it)."""
+    if tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"per_token_ce: logits {tuple(logits.shape)} must be labels' shape "
+                         f"{tuple(labels.shape)} plus a vocabulary axis")
     lab = labels.clamp_min(0)
-    ce = F.cross_entropy(logits.float().transpose(1, -1), lab, reduction="none")
+    ce = F.cross_entropy(logits.float().movedim(-1, 1), lab, reduction="none")
     return torch.where(labels != IGNORE, ce, torch.zeros_like(ce))
 
 
@@ -97,17 +104,28 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in ps or any(p.kind == p.VAR_KEYWORD for p in ps.values())
 
 
+def check_pad_id(coefs: Mapping[str, float], pad_id: Optional[int]) -> None:
+    """The draft and indexer-KL parts find padding by ``pad_id`` (their targets / query tokens carry no label
+    that marks it, unlike CE's ``labels``); without one they would train on the padding of packed rows."""
+    need = [n for n in ("draft", "indexer_kl") if n in active(coefs)]
+    if need and pad_id is None:
+        raise ValueError(f"loss part(s) {need} are on but pad_id is None: they cannot tell padding from tokens "
+                         f"and would average it in; pass pad_id (the tokenizer's pad id, e.g. special_ids()['pad'])")
+
+
 def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coefs: Mapping[str, float],
                    forward: Callable, mode: str = "dequant", pad_id: Optional[int] = None,
                    forward_kwargs: Optional[dict] = None, draft_forward: Optional[Callable] = None,
                    draft_anchor_stride: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run the forward once and return ``(total, parts)``; only the parts that are on appear in ``parts``.
 
-    ``forward`` has the signature of ``fd.forward``; ``batch`` holds input_ids, positions, labels.
+    ``forward`` has the signature of ``fd.forward``; ``batch`` holds input_ids, positions, labels. ``pad_id`` is
+    required when ``draft`` or ``indexer_kl`` is on (``check_pad_id``).
     """
     on = active(coefs)
     if not on:
         raise ValueError(f"every loss coefficient is <= 0 ({dict(coefs)}): nothing to train")
+    check_pad_id(coefs, pad_id)
     kw = dict(forward_kwargs or {})
     if "indexer_kl" in on:
         if not _accepts(forward, "aux"):
@@ -133,14 +151,11 @@ def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coef
         anchors = torch.arange(0, ids.shape[1] - 1, max(int(draft_anchor_stride), 1), device=ids.device)
         d = draft_forward(params, out.main_hidden, ids, cfg=cfg, positions=inputs.get("positions"),
                           anchors=anchors, mode=mode)                   # logits [b, n, B, V], targets [b, n, B]
-        tgt = torch.where(d.targets < 0, torch.full_like(d.targets, IGNORE), d.targets)
-        if pad_id is not None:
-            tgt = torch.where(tgt == pad_id, torch.full_like(tgt, IGNORE), tgt)
+        tgt = torch.where((d.targets < 0) | (d.targets == pad_id), torch.full_like(d.targets, IGNORE), d.targets)
         parts["draft"] = cross_entropy(d.logits, tgt)
     if "indexer_kl" in on:
         aux = getattr(out, "aux", None) or {}
-        mask = None if pad_id is None else batch["input_ids"] != pad_id
-        parts["indexer_kl"] = indexer_kl(aux.get("indexer", {}), mask)
+        parts["indexer_kl"] = indexer_kl(aux.get("indexer", {}), batch["input_ids"] != pad_id)
     total = sum(float(coefs[n]) * parts[n] for n in on)
     return total, parts
 

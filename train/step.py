@@ -203,6 +203,7 @@ def make_step(cfg, *, frozen: Mapping[str, object], dtypes: Mapping[str, torch.d
               draft_anchor_stride: int = 1) -> Callable:
     """Build ``step(trainable, opt_state, batch, *, lr, step_no)`` (module docstring)."""
     loss_mod.active(coefs)  # validates the names early
+    loss_mod.check_pad_id(coefs, pad_id)   # and refuses a draft / indexer-KL that could not mask padding
 
     def loss_fn(trainable, batch):
         params = assemble(trainable, frozen, dtypes)

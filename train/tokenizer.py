@@ -58,16 +58,37 @@ def file_key(path: str) -> tuple:
 
 
 def load_tokenizer(path: str = TOKENIZER_JSON):
-    """The ``tokenizers.Tokenizer`` saved at ``path`` (cached while the file is unchanged)."""
+    """A fresh ``tokenizers.Tokenizer`` from ``path`` (the file's text is cached while it is unchanged).
+
+    Every call returns a new object: a ``Tokenizer`` is mutable (``enable_truncation``, ``enable_padding``,
+    ``add_special_tokens``...), and a shared cached one let one caller's settings reach every other caller,
+    the corpus encoding included. Special-token text in the input (``<｜end▁of▁sentence｜>``...) is encoded
+    as the special id (the ``tokenizers`` default, what prompts want); ``corpus_tokenizer`` does not."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(_tokenizer_text(_key(path)))
+
+
+def corpus_tokenizer(path: str = TOKENIZER_JSON):
+    """A fresh tokenizer for corpus text: special-token text in a line is tokenized as text (byte tokens that
+    decode back to it), never as a control id; no truncation or padding; the caller adds BOS/EOS itself and
+    encodes with ``add_special_tokens=False`` (no post-processor template)."""
+    tok = load_tokenizer(path)
+    tok.encode_special_tokens = True
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def _key(path: str) -> tuple:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found; run `python train/tokenizer.py` to train it")
-    return _load_tokenizer(file_key(path))
+    return file_key(path)
 
 
 @lru_cache(maxsize=4)
-def _load_tokenizer(key: tuple):
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(key[0])
+def _tokenizer_text(key: tuple) -> str:
+    with open(key[0], encoding="utf-8") as fh:
+        return fh.read()
 
 
 def special_ids(path: str = TOKENIZER_JSON) -> dict[str, int]:
