@@ -108,6 +108,8 @@ def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float =
 
     Warmup: ``peak·(step+1)/warmup`` for step < warmup (so the first update is not a zero step).
     Cosine: from ``peak`` at step = warmup down to ``peak·min_ratio`` at step = total - 1; constant after.
+    A run with ``total - 1 <= warmup`` ends in warmup or at its peak (step ``warmup``) and never decays: the
+    cosine then spans the one step after ``warmup``.
     """
     if step < warmup:
         return peak * (step + 1) / warmup
