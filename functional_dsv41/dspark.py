@@ -12,10 +12,13 @@
                       confidence_i = proj([x_i ; e_i])
 
 State: ``DecodeState.dspark[s]`` is stage s's window ring of main KV (``AttnCache.window_kv``
-[b, W, head_dim], slot = position % W). ``dspark_prefill`` writes the main KV of the chunk the main
-model just processed (positions ``state.pos - s .. state.pos - 1``); ``dspark_draft`` writes the main
-KV of the newest position ``p = state.pos - 1`` (idempotent if already written) and drafts positions
-``p+1 .. p+B``. The draft block's own kv is never stored: the rings only ever hold main-model KV.
+[b, W, head_dim], slot = position % W); ``DecodeState.dspark_pos`` says how far the rings are filled
+(positions < dspark_pos; a host int, checked without any device work). ``dspark_prefill`` writes the
+main KV of the chunk(s) the main model processed since the rings were last filled (positions
+``state.pos - s .. state.pos - 1``, which must start at ``dspark_pos``); ``dspark_draft`` writes the main
+KV of the newest position ``p = state.pos - 1`` (idempotent if already written; the rings must hold
+everything before it) and drafts positions ``p+1 .. p+B``. The draft block's own kv is never stored:
+the rings only ever hold main-model KV.
 
 Numerics follow the reference's dtype flow (bit-exact on the tiny fixtures): bf16 activations,
 kv fp8-QDQ'd, the ring listed in SLOT order followed by the block (sparse_attn sums in that order),
@@ -40,7 +43,7 @@ from .linear import linear, qat_format
 from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
-from .state import AttnCache, DecodeState, config_id
+from .state import AttnCache, DecodeState, config_mismatch
 
 
 def main_x(params: dict, main_hidden: torch.Tensor, *, cfg: Config, mode: str = "reference",
@@ -69,8 +72,9 @@ def _write_ring(ring: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Ten
 def _check_state(params: dict, state: DecodeState, cfg: Config, b: int, where: str) -> None:
     if not isinstance(state, DecodeState):
         raise TypeError(f"{where}: state must be a DecodeState (fd.init_state), got {type(state).__name__}")
-    if state.config_id != config_id(cfg):
-        raise ValueError(f"{where}: the state was built for another config")
+    why = config_mismatch(state.config_id, cfg)
+    if why:
+        raise ValueError(f"{where}: {why}")
     if state.batch_size != b:
         raise ValueError(f"{where}: the state holds {state.batch_size} rows, the input has {b}")
     if cfg.n_mtp_layers < 1 or len(state.dspark) != cfg.n_mtp_layers:
@@ -93,7 +97,10 @@ def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, stat
 
     main_hidden [b, s, n_targets*dim] = ``forward(...).main_hidden`` of that chunk; ``state`` = the
     state that forward returned (the chunk covers positions ``state.pos - s .. state.pos - 1``).
-    Returns the state with new ``dspark`` rings (everything else shared).
+    The chunk must start where the rings stop (``state.dspark_pos``): call it after every forward
+    (several forwards' main_hidden may be concatenated), and after ``speculative.rollback`` with the
+    accepted positions' main_hidden. Returns the state with new ``dspark`` rings and
+    ``dspark_pos = state.pos`` (everything else shared).
     """
     _check_hidden(main_hidden, cfg, "dspark_prefill")
     _check_state(params, state, cfg, main_hidden.shape[0], "dspark_prefill")
@@ -101,13 +108,34 @@ def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, stat
     start = state.pos - s
     if start < 0:
         raise ValueError(f"dspark_prefill: {s} hidden rows but the state is at position {state.pos}")
+    if start != state.dspark_pos:
+        if start > state.dspark_pos:
+            hint = (f"positions {state.dspark_pos}..{start - 1} were never written to them: pass the main_hidden "
+                    f"of every forward since (concatenated), or call dspark_prefill after each forward")
+        else:
+            hint = (f"positions {start}..{state.dspark_pos - 1} are already written: pass only the main_hidden "
+                    f"of the forward(s) since the last dspark_prefill")
+        raise ValueError(f"dspark_prefill: the DSpark rings {_filled(state.dspark_pos)}, but these {s} main_hidden "
+                         f"rows would cover positions {start}..{state.pos - 1} (the state is at {state.pos}) and "
+                         f"must start where the rings stop; {hint}")
+    return _fill_rings(params, main_hidden, start, cfg=cfg, state=state, mode=mode, impl=impl)
+
+
+def _filled(n: int) -> str:
+    return "hold no main KV yet" if n == 0 else f"hold the main KV up to position {n - 1}"
+
+
+def _fill_rings(params: dict, main_hidden: torch.Tensor, start: int, *, cfg: Config, state: DecodeState,
+                mode: str, impl) -> DecodeState:
+    """Write the main KV of positions start .. start+s-1 into every stage ring; dspark_pos -> start + s."""
+    s = main_hidden.shape[1]
     mx = main_x(params, main_hidden, cfg=cfg, mode=mode, impl=impl)
     pos = torch.arange(start, start + s, device=mx.device)
     rings = []
     for si, L in enumerate(cfg.dspark_layer_ids):
         kv = main_kv(params["mtp"][si]["attn"], mx, pos, cfg=cfg, layer_id=L, mode=mode, impl=impl)
         rings.append(AttnCache(_write_ring(state.dspark[si].window_kv, kv, start)))
-    return dataclasses.replace(state, dspark=tuple(rings))
+    return dataclasses.replace(state, dspark=tuple(rings), dspark_pos=start + s)
 
 
 def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.Tensor, rot: torch.Tensor, *,
@@ -226,9 +254,11 @@ def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Te
 
     last_token int64 [b] (or [b, 1]): the newest sampled token, to sit at position ``state.pos``;
     main_hidden_p [b, 1, n_targets*dim]: ``forward(...).main_hidden`` of position p = state.pos - 1
-    (the last position the main model consumed). The stage rings get position p's main KV; the block
-    [last_token, noise, ...] is drafted at positions p+1 .. p+B; sampling is sequential (the Markov
-    bias of position i depends on out_ids[i]). Returns ``Draft(out_ids, logits, confidence, state)``.
+    (the last position the main model consumed). The stage rings must hold the main KV of every
+    position before p (``state.dspark_pos`` p or p+1: ``dspark_prefill`` after each forward, else a
+    ValueError); they get position p's main KV here. The block [last_token, noise, ...] is drafted at
+    positions p+1 .. p+B; sampling is sequential (the Markov bias of position i depends on out_ids[i]).
+    Returns ``Draft(out_ids, logits, confidence, state)``.
     ``debug`` receives ``stage.{s}.*`` tensors named like the golden ``decode.{k}.spec.*``.
     """
     _check_hidden(main_hidden_p, cfg, "dspark_draft")
@@ -241,8 +271,18 @@ def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Te
     p = state.pos - 1
     if p < 0:
         raise ValueError("dspark_draft: the main model has consumed no token yet (state.pos == 0)")
+    if state.dspark_pos not in (p, p + 1):
+        if state.dspark_pos < p:
+            why = (f"they lack positions {state.dspark_pos}..{p - 1}: call dspark_prefill(params, out.main_hidden, "
+                   f"state=out.state) after every forward (and after speculative.rollback, with the accepted "
+                   f"positions' main_hidden)")
+        else:
+            why = "they hold positions the state has not reached (rings from a later state?)"
+        raise ValueError(f"dspark_draft: the DSpark rings {_filled(state.dspark_pos)}, but the state is at "
+                         f"position {state.pos} (the draft needs the main KV of every position before {p} in "
+                         f"them); {why}")
     B, W, dev = cfg.dspark_block_size, cfg.window_size, last.device
-    state = dspark_prefill(params, main_hidden_p, cfg=cfg, state=state, mode=mode, impl=impl)
+    state = _fill_rings(params, main_hidden_p, p, cfg=cfg, state=state, mode=mode, impl=impl)
     rings = [c.window_kv for c in state.dspark]
     ids = torch.full((b, B), cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
     ids[:, 0] = last

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import operator
 import struct
 import zlib
 
@@ -334,15 +335,40 @@ def span_types(n_vit_h: int, n_vit_w: int, ratio: int) -> torch.Tensor:
     return torch.tensor([IMAGE_START] + row * n_llm_h + [IMAGE_END], dtype=torch.long)
 
 
+def _grid_pair(g, i: int) -> tuple[int, int]:
+    """grids[i] as (n_vit_h, n_vit_w) Python ints >= 1, else a ValueError naming what was given."""
+    out = None
+    try:
+        if not isinstance(g, (str, bytes, dict)) and len(g) == 2 and \
+                not any(isinstance(v, (bool, np.bool_)) for v in (g[0], g[1])):
+            out = tuple(operator.index(v) for v in (g[0], g[1]))     # ints, numpy / 0-d torch integers
+            out = out if min(out) >= 1 else None
+    except (TypeError, IndexError, KeyError, ValueError):      # no length (None, an int, a 0-d tensor) / no items
+        out = None
+    if out is None:
+        if isinstance(g, (tuple, list)) and len(g) == 2 and isinstance(g[0], torch.Tensor) and g[0].dim() == 4:
+            got = f"a (patches {tuple(g[0].shape)}, grid {g[1]!r}) pair"
+        elif isinstance(g, (torch.Tensor, np.ndarray)):
+            got = f"a{' tensor' if isinstance(g, torch.Tensor) else 'n array'} {tuple(g.shape)}"
+        else:
+            got = repr(g) if len(repr(g)) <= 60 else type(g).__name__
+        raise ValueError(f"expand_image_tokens: grids[{i}] must be a pair of integers >= 1 (n_vit_h, n_vit_w), got "
+                         f"{got}; load_image returns (patches, grid): pass the grid, its second element "
+                         f"(grids=[img[1] for img in images])")
+    return out
+
+
 def expand_image_tokens(ids: list[int], grids: list[tuple[int, int]], cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids with one ``image_token_id`` per image -> (ids [s'], token_types [s']) with each image
-    token expanded to its span (all positions keep ``image_token_id``). ``grids[i]`` = (n_vit_h, n_vit_w)."""
+    token expanded to its span (all positions keep ``image_token_id``). ``grids[i]`` = (n_vit_h, n_vit_w), a
+    pair of integers >= 1: the SECOND element of what ``load_image`` returns (``(patches, grid)``), not the pair
+    itself (refused with a ValueError saying so)."""
     out_ids, out_types, i = [], [], 0
     for t in ids:
         if t == cfg.image_token_id:
             if i >= len(grids):
                 raise ValueError(f"expand_image_tokens: more image tokens than the {len(grids)} images given")
-            ty = span_types(*grids[i], cfg.vision_downsample_ratio).tolist()
+            ty = span_types(*_grid_pair(grids[i], i), cfg.vision_downsample_ratio).tolist()
             out_ids += [t] * len(ty)
             out_types += ty
             i += 1

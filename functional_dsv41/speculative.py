@@ -22,7 +22,9 @@ only m <= B+1 of them are accepted. ``rollback`` builds the state "before + the 
   from the snapshot (``forward(before, accepted)``): exact, one extra forward over m tokens.
 
 DSpark rings are rebuilt by the caller from the verify forward's ``main_hidden`` (causality makes
-the accepted positions' hidden states exact whatever was rejected after them).
+the accepted positions' hidden states exact whatever was rejected after them): the rolled-back state
+keeps ``before``'s rings and ``dspark_pos``, so ``dspark_prefill(params, v.main_hidden[:, :m],
+state=rolled_back)`` extends them (and ``dspark_draft`` refuses rings that were not refreshed).
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from typing import Optional
 
 import torch
 
-from .config import Config
-from .state import AttnCache, DecodeState
+from .config import Config, require_config
+from .state import AttnCache, DecodeState, config_mismatch
 
 
 def fast_rollback_ok(before: DecodeState, after: DecodeState, m: int, cfg: Config) -> bool:
@@ -47,8 +49,11 @@ def rollback(params: dict, before: DecodeState, after: DecodeState, tokens: torc
              forward_kw: Optional[dict] = None) -> tuple[DecodeState, bool]:
     """The state of ``before`` having consumed ``tokens`` [b, m] (the accepted prefix of the chunk that
     took ``before`` to ``after``). Returns ``(state, reran)``; ``reran`` = an extra forward was needed.
-    DSpark rings are taken from ``before`` (the caller refreshes them)."""
+    DSpark rings are taken from ``before`` (the caller refreshes them).
+    Raises ValueError (host-side checks, no device work) when the states or the tokens do not belong
+    together: another config, other batch sizes, ``after`` not ahead of ``before``."""
     from .model import forward
+    _check_rollback(before, after, tokens, cfg)
     m = tokens.shape[1]
     if not 0 < m <= after.pos - before.pos:
         raise ValueError(f"rollback: {m} accepted tokens for a chunk of {after.pos - before.pos}")
@@ -76,6 +81,27 @@ def rollback(params: dict, before: DecodeState, after: DecodeState, tokens: torc
         G = before.ngram.tail.shape[1]
         ngram = NgramCache(torch.cat([before.ngram.tail, tmap[tokens.long()]], 1)[:, -G:])
     return dataclasses.replace(before, pos=new_pos, layers=tuple(layers), ngram=ngram), False
+
+
+def _check_rollback(before, after, tokens, cfg: Config) -> None:
+    require_config(cfg, "rollback")
+    for name, st in (("before", before), ("after", after)):
+        if not isinstance(st, DecodeState):
+            raise TypeError(f"rollback: {name} must be a DecodeState, got {type(st).__name__}")
+        why = config_mismatch(st.config_id, cfg, what=f"the state `{name}`")
+        if why:
+            raise ValueError(f"rollback: {why}")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        got = f"a tensor {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"rollback: tokens must be the accepted tokens [b, m], got {got}")
+    if after.batch_size != before.batch_size:
+        raise ValueError(f"rollback: `before` holds {before.batch_size} rows but `after` {after.batch_size}; "
+                         f"`after` must be the state a forward from `before` returned")
+    if tokens.shape[0] != before.batch_size:
+        raise ValueError(f"rollback: tokens have {tokens.shape[0]} rows but the states hold {before.batch_size}")
+    if after.pos <= before.pos:
+        raise ValueError(f"rollback: `after` (position {after.pos}) is not ahead of `before` (position "
+                         f"{before.pos}); `after` must be the state a forward from `before` returned")
 
 
 def accept_greedy(main_logits: torch.Tensor, block: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@
 - ``SharedAttention``: what source layers hand to the layers that reuse them *within one forward*
   (compressed KV, index keys, top-k, candidate mask), keyed by the source layer id.
 - ``DecodeState``: every layer's ``AttnCache``, the n-gram tail, the DSpark draft windows and the
-  position; the one value ``forward`` takes and returns.
+  positions (main model, DSpark windows); the one value ``forward`` takes and returns.
 
 Ownership rule for the append-only histories (``compress_kv``, ``index_k``): a forward writes its new
 entries into the preallocated buffer at rows ``>= n_compressed`` of the state it was given and returns
@@ -26,6 +26,7 @@ once). The bookkeeping follows the buffer tensors, so it also covers the states 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import weakref
 from dataclasses import dataclass
@@ -87,6 +88,10 @@ class DecodeState:
     layers[L]   AttnCache of backbone layer L
     dspark[s]   AttnCache (window only) of DSpark stage s: the main-model KV ring (SPEC §7)
     ngram       the Engram n-gram tail (engram.NgramCache) or None
+    config_id   fingerprint of the config the state was built for (``config_id``; ``config_mismatch``)
+    dspark_pos  the DSpark rings hold the main KV of positions < dspark_pos (a host int, like ``pos``;
+                <= pos). ``forward`` leaves it (and the rings) as they are; ``dspark.dspark_prefill``
+                extends it to ``pos``, and ``dspark_draft`` refuses rings that lag behind the state.
     """
     pos: int
     batch_size: int
@@ -95,6 +100,7 @@ class DecodeState:
     dspark: tuple = ()
     ngram: object = None
     config_id: str = ""
+    dspark_pos: int = 0
 
     def replace(self, **kw) -> "DecodeState":
         return dataclasses.replace(self, **kw)
@@ -104,11 +110,54 @@ class DecodeState:
         return clone_state(self)
 
 
+# Config fields that change neither what a state holds (its shapes come from init_state's arguments and
+# the model fields) nor how the model computes: the sampling temperature (generate's default only),
+# max_batch_size (never read) and max_seq_len (the default capacity of init_state and the limit of a
+# stateless forward; a state keeps its own max_seq_len, and RoPE/YaRN read original_seq_len, not it).
+STATE_NEUTRAL_FIELDS = ("temperature", "max_batch_size", "max_seq_len")
+
+# fingerprint -> the fields it was computed from, so that a refusal can name the fields that differ
+# (a state that comes from another process falls back to the plain message).
+_CONFIG_FIELDS: dict = {}
+
+
+def _state_fields(cfg: Config) -> dict:
+    return {k: v for k, v in cfg.to_dict().items() if k not in STATE_NEUTRAL_FIELDS}
+
+
+@functools.lru_cache(maxsize=64)
 def config_id(cfg: Config) -> str:
-    """A short fingerprint of the config a state was built for (refuse a state from another model)."""
+    """A short fingerprint of the config a state was built for (refuse a state from another model).
+    Hashes every field except ``STATE_NEUTRAL_FIELDS`` (so a state carries over to a config that differs
+    in sampling temperature or max_seq_len only). Cached per config: ``forward`` asks on every call."""
     import hashlib
     import json
-    return hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    fields = _state_fields(cfg)
+    cid = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    _CONFIG_FIELDS[cid] = fields
+    return cid
+
+
+def config_mismatch(state_config_id: str, cfg: Config, what: str = "the state") -> Optional[str]:
+    """None when ``state_config_id`` (a ``DecodeState.config_id``) is ``cfg``'s fingerprint; otherwise the
+    text of the refusal, naming the fields that differ where the fingerprint is known in this process:
+    "the state was built for another config (window_size 8 in it, 16 in cfg)". ``what`` names the holder."""
+    want = config_id(cfg)
+    if state_config_id == want:
+        return None
+    old = _CONFIG_FIELDS.get(state_config_id)
+    if old is None:
+        return f"{what} was built for another config"
+    new = _CONFIG_FIELDS[want]
+    diff = [f"{k} {_short(old.get(k))} in it, {_short(new.get(k))} in cfg" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+    more = f"; and {len(diff) - 4} more field(s)" if len(diff) > 4 else ""
+    return f"{what} was built for another config ({'; '.join(diff[:4])}{more})"
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def state_nbytes(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None) -> int:
@@ -190,7 +239,7 @@ def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, 
     ngram = None
     if cfg.engram_layer_ids:
         from . import engram
-        ngram = engram.init_ngram_cache(cfg, b)
+        ngram = engram.init_ngram_cache(cfg, b, device=device)
     return DecodeState(
         pos=0, batch_size=b, max_seq_len=max_seq_len,
         layers=tuple(cache(L) for L in cfg.layer_ids),

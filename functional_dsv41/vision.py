@@ -187,15 +187,28 @@ def image_spans(types_row: list[int], row: int) -> list[tuple[int, int]]:
     return spans
 
 
+VISION_PARAMS = ("vision", "aligner", "image_start", "image_end", "image_newline")
+
+
+def _check_vision_params(params: dict) -> None:
+    """Refuse a batch with images when the params lack the vision tower (a text-only load, or vision keys
+    dropped to save memory), before anything is encoded (a bare KeyError: 'image_start' before)."""
+    missing = [k for k in VISION_PARAMS if params.get(k) is None]
+    if missing:
+        raise ValueError(f"forward: the batch has images but the params lack {', '.join(missing)}: images need the "
+                         f"vision tower ('vision'), the aligner ('aligner') and the image_start / image_end / "
+                         f"image_newline rows (fd.load_params of a checkpoint with vision weights)")
+
+
 def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: Config, start: int = 0,
                            debug: dict | None = None) -> torch.Tensor:
     """Overwrite the image spans of the token embeddings (SPEC §1 "if images", §12 "Insertion").
 
     h [b, s, M] bf16 (``embed(input_ids)``), batch with "images" (module docstring) and "token_types"
     [b, s] -> h' [b, s, M] (a new tensor; out-of-place, differentiable w.r.t. the vision params).
-    Raises ValueError when the config has no vision tower (rows that are all None pass), when images
-    come with a chunk not starting at 0, without token types, or when the spans in token_types do not
-    match the images (count, grid, layout, image token id).
+    Raises ValueError when the config has no vision tower or the params lack it (``VISION_PARAMS``; rows
+    that are all None pass), when images come with a chunk not starting at 0, without token types, or
+    when the spans in token_types do not match the images (count, grid, layout, image token id).
     """
     images = batch["images"]
     b, s = h.shape[:2]
@@ -250,6 +263,7 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
                 raise ValueError(f"forward: row {r}: image span {a}..{e} holds ids other than image_token_id "
                                  f"{cfg.image_token_id}")
             if delim is None:
+                _check_vision_params(params)
                 delim = {IMAGE_START: params["image_start"], IMAGE_END: params["image_end"],
                          IMAGE_NEW_LINE: params["image_newline"]}
             rows = encode_image(params, patches.to(h.device), grid, cfg=cfg, debug=debug, index=n_img)

@@ -165,3 +165,72 @@ def test_state_built_under_inference_mode(model):
     assert torch.equal(_grow(params, cfg, fd.clone_state(st), torch.tensor([[9], [10]])).logits, ref)
     with torch.inference_mode():
         assert torch.equal(_grow(params, cfg, st, torch.tensor([[9], [10]])).logits, ref)
+
+
+# ----------------------------------------------------------------------------- state device, config fingerprint
+def test_init_state_on_meta_puts_every_leaf_there(model):
+    """init_state(device=...) left the Engram n-gram tail on the CPU (a CUDA state carried a CPU tail)."""
+    cfg, _ = model
+    assert cfg.engram_layer_ids
+    st = init_state(cfg, 2, 16, device="meta")
+    leaves = [t for t in tp.tree_leaves(st) if isinstance(t, torch.Tensor)]
+    assert st.ngram.tail.device.type == "meta"
+    assert len(leaves) > 10 and {t.device.type for t in leaves} == {"meta"}
+
+
+def test_config_fingerprint_ignores_sampling_and_capacity_fields(model):
+    """temperature / max_seq_len / max_batch_size change neither a state's layout nor the math (a state keeps
+    its own max_seq_len; RoPE/YaRN read original_seq_len), so forward no longer refuses the state for them;
+    every other field still changes the fingerprint, and the refusal names the fields that differ."""
+    from functional_dsv41 import state as state_mod
+    cfg, params = model
+    st = fd.forward(params, {"input_ids": torch.tensor([[0, 5, 6], [0, 7, 8]])}, cfg=cfg,
+                    state=init_state(cfg, 2, 16)).state
+    nxt = {"input_ids": torch.tensor([[7], [9]])}
+    ref = fd.forward(params, nxt, cfg=cfg, state=st).logits
+    for ch in ({"temperature": 0.7}, {"max_seq_len": 128}, {"max_batch_size": 8}):
+        assert torch.equal(fd.forward(params, nxt, cfg=cfg.replace(**ch), state=st).logits, ref)
+    config_id, config_mismatch = state_mod.config_id, state_mod.config_mismatch
+    for ch in ({"temperature": 0.7}, {"max_seq_len": 128}, {"max_batch_size": 8}):
+        other = cfg.replace(**ch)
+        assert config_id(other) == config_id(cfg) and config_mismatch(st.config_id, other) is None
+    for ch in ({"index_topk": 2}, {"window_size": 16}, {"original_seq_len": 4096}, {"rope_factor": 4},
+               {"gate_temp": 0.5}, {"norm_eps": 1e-6}, {"norm_topk_prob": False}, {"dspark_block_size": 2}):
+        assert config_id(cfg.replace(**ch)) != config_id(cfg), ch
+    assert config_mismatch(st.config_id, cfg.replace(index_topk=2)) == \
+        "the state was built for another config (index_topk 4 in it, 2 in cfg)"
+    many = config_mismatch(st.config_id, cfg.replace(index_topk=2, window_size=16, gate_temp=0.5, hc_eps=1e-3,
+                                                     rope_factor=4, temperature=0.3))
+    assert many.startswith("the state was built for another config (gate_temp 1.0 in it, 0.5 in cfg; hc_eps")
+    assert many.endswith("; and 1 more field(s))") and "temperature" not in many
+    with pytest.raises(ValueError, match="the state was built for another config"):
+        fd.forward(params, nxt, cfg=cfg.replace(index_topk=2), state=st)
+
+
+def test_rollback_refuses_mismatched_inputs(model):
+    """rollback checked nothing: tokens of another batch size and a state of another config failed deep in
+    torch ("Sizes of tensors must match", "INDICES element is out of DATA bounds")."""
+    cfg, params = model
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = fd.forward(params, {"input_ids": ids[:, :6]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
+    after = fd.forward(params, {"input_ids": ids[:, 6:10]}, cfg=cfg, state=before).state
+    with pytest.raises(ValueError, match="rollback: tokens have 1 rows but the states hold 2"):
+        spec.rollback(params, before, after, ids[:1, 6:8], cfg=cfg)
+    with pytest.raises(ValueError, match="rollback: tokens have 3 rows but the states hold 2"):
+        spec.rollback(params, before, after, torch.cat([ids, ids[:1]])[:, 6:8], cfg=cfg)
+    with pytest.raises(ValueError, match=r"rollback: tokens must be the accepted tokens \[b, m\], got a tensor \(2,\)"):
+        spec.rollback(params, before, after, ids[:, 6], cfg=cfg)
+    with pytest.raises(ValueError, match=r"rollback: the state `before` was built for another config "
+                                         r"\(window_size 8 in it, 16 in cfg\)"):
+        spec.rollback(params, before, after, ids[:, 6:8], cfg=cfg.replace(window_size=16))
+    other = fd.forward(params, {"input_ids": ids[:, 6:10]}, cfg=cfg.replace(index_topk=2),
+                       state=init_state(cfg.replace(index_topk=2), 2, 32)).state
+    with pytest.raises(ValueError, match=r"rollback: the state `after` was built for another config \(index_topk"):
+        spec.rollback(params, before, other, ids[:, 6:8], cfg=cfg)
+    three = fd.forward(params, {"input_ids": ids[:1, :10].expand(3, 10)}, cfg=cfg, state=init_state(cfg, 3, 32)).state
+    with pytest.raises(ValueError, match="rollback: `before` holds 2 rows but `after` 3"):
+        spec.rollback(params, before, three, ids[:, 6:8], cfg=cfg)
+    with pytest.raises(ValueError, match=r"rollback: `after` \(position 6\) is not ahead of `before` \(position 6\)"):
+        spec.rollback(params, before, before, ids[:, 6:8], cfg=cfg)
+    st, _ = spec.rollback(params, before, after, ids[:, 6:8], cfg=cfg)       # the right call still works
+    assert st.pos == 8

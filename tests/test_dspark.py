@@ -171,3 +171,89 @@ def test_dspark_errors_leave_state():
     new = dspark.dspark_prefill(params, mh, cfg=cfg, state=st)
     assert torch.equal(st.dspark[0].window_kv, before)              # the input state is not written
     assert not torch.equal(new.dspark[0].window_kv, before)
+
+
+# ----------------------------------------------------------------------------- ring bookkeeping (dspark_pos)
+def _tiny_model():
+    cfg = fd.Config.tiny()
+    params = fd.init_params(cfg, seed=0)
+    params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    return cfg, params
+
+
+def test_dspark_rings_must_follow_the_state():
+    """DecodeState.dspark_pos records how far the stage rings are filled. A forward without its
+    dspark_prefill, or a prefill with another chunk's hidden rows, made dspark_draft attend to empty /
+    outdated ring rows silently (other draft tokens, logits off by ~5); both are refused now."""
+    import torch.utils._pytree as tp
+    from functional_dsv41.state import state_bytes
+    cfg, params = _tiny_model()
+    ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(0))
+    st = init_state(cfg, 1, 32)
+    o = fd.forward(params, {"input_ids": ids[:, :8]}, cfg=cfg, state=st)
+    s_ok = dspark.dspark_prefill(params, o.main_hidden, cfg=cfg, state=o.state)
+    o2a = fd.forward(params, {"input_ids": ids[:, 8:11]}, cfg=cfg, state=fd.clone_state(s_ok))
+    s_ok2 = dspark.dspark_prefill(params, o2a.main_hidden, cfg=cfg, state=o2a.state)
+    last = ids[:, 11]
+    d_ok = dspark.dspark_draft(params, last, o2a.main_hidden[:, -1:], cfg=cfg, state=s_ok2)
+    # the user forgot the prefill after the first forward
+    o2b = fd.forward(params, {"input_ids": ids[:, 8:11]}, cfg=cfg, state=o.state)
+    with pytest.raises(ValueError, match=r"dspark_draft: the DSpark rings hold no main KV yet, but the state is at "
+                                         r"position 11 .* they lack positions 0..9: call dspark_prefill"):
+        dspark.dspark_draft(params, last, o2b.main_hidden[:, -1:], cfg=cfg, state=o2b.state)
+    # the recorded positions: forward leaves the rings (and dspark_pos) alone, prefill / draft extend them
+    assert (st.dspark_pos, o.state.dspark_pos, s_ok.dspark_pos, o2a.state.dspark_pos, s_ok2.dspark_pos,
+            d_ok.state.dspark_pos, o2b.state.dspark_pos) == (0, 0, 8, 8, 11, 11, 0)
+    s_ok = s_ok2
+    # ... and then prefilled only the last chunk: it does not start where the rings stop
+    with pytest.raises(ValueError, match=r"dspark_prefill: the DSpark rings hold no main KV yet, but these 3 "
+                                         r"main_hidden rows would cover positions 8..10 .* positions 0..7 were never"):
+        dspark.dspark_prefill(params, o2b.main_hidden, cfg=cfg, state=o2b.state)
+    # a chunk that was already written (prefilled twice)
+    with pytest.raises(ValueError, match=r"the DSpark rings hold the main KV up to position 10, .* "
+                                         r"positions 8..10 are already written"):
+        dspark.dspark_prefill(params, o2a.main_hidden, cfg=cfg, state=s_ok)
+    # every forward's main_hidden since the last prefill, concatenated, is right: the same draft
+    s_cat = dspark.dspark_prefill(params, torch.cat([o.main_hidden, o2b.main_hidden], 1), cfg=cfg, state=o2b.state)
+    assert s_cat.dspark_pos == 11
+    d_cat = dspark.dspark_draft(params, last, o2b.main_hidden[:, -1:], cfg=cfg, state=s_cat)
+    assert torch.equal(d_cat.out_ids, d_ok.out_ids)
+    torch.testing.assert_close(d_cat.logits, d_ok.logits, rtol=0, atol=1e-3 * float(d_ok.logits.abs().max()))
+    # the field is a host int of the pytree: clone, flatten/unflatten and byte counts keep working
+    c = fd.clone_state(d_ok.state)
+    assert c.dspark_pos == 11 and state_bytes(c) == state_bytes(st)
+    leaves, spec_ = tp.tree_flatten(c)
+    assert tp.tree_unflatten(leaves, spec_).dspark_pos == 11
+
+
+def test_dspark_rings_after_rollback():
+    """speculative.rollback keeps `before`'s rings and dspark_pos; drafting from the rolled-back state without
+    the refresh its docstring asks for is refused, and with it the draft equals the straight-line one."""
+    from functional_dsv41 import speculative as spec
+    cfg, params = _tiny_model()
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    o = fd.forward(params, {"input_ids": ids[:, :8]}, cfg=cfg, state=init_state(cfg, 2, 32))
+    st = dspark.dspark_prefill(params, o.main_hidden, cfg=cfg, state=o.state)
+    d = dspark.dspark_draft(params, ids[:, 8], o.main_hidden[:, -1:], cfg=cfg, state=st)
+    chunk = ids[:, 8:12]                                              # [last, 3 block tokens]
+    for m in (2, 1, 3, 4):                                            # fast path (even pos), re-run (odd), whole chunk
+        before = fd.clone_state(d.state)
+        v = fd.forward(params, {"input_ids": chunk}, cfg=cfg, state=before)
+        rb, reran = spec.rollback(params, before, v.state, chunk[:, :m], cfg=cfg)
+        nxt, mh = ids[:, 8 + m], v.main_hidden[:, m - 1:m]
+        if m > 1:                                                      # m == 1: the draft writes position 8 itself
+            with pytest.raises(ValueError, match=rf"dspark_draft: the DSpark rings hold the main KV up to position 7, "
+                                                 rf"but the state is at position {8 + m} .* call dspark_prefill"):
+                dspark.dspark_draft(params, nxt, mh, cfg=cfg, state=rb)
+        assert rb.pos == 8 + m and rb.dspark_pos == 8 and v.state.dspark_pos == 8 and reran == (m in (1, 3))
+        fresh = dspark.dspark_prefill(params, v.main_hidden[:, :m], cfg=cfg, state=rb)
+        assert fresh.dspark_pos == 8 + m
+        got = dspark.dspark_draft(params, nxt, mh, cfg=cfg, state=fresh)
+        # straight line: the accepted tokens consumed by plain forwards, each followed by its prefill
+        s = fd.clone_state(st)
+        for j in range(m):
+            oj = fd.forward(params, {"input_ids": chunk[:, j:j + 1]}, cfg=cfg, state=s)
+            s = dspark.dspark_prefill(params, oj.main_hidden, cfg=cfg, state=oj.state)
+        want = dspark.dspark_draft(params, nxt, oj.main_hidden, cfg=cfg, state=s)
+        assert torch.equal(got.out_ids, want.out_ids), m
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-3 * float(want.logits.abs().max()))

@@ -295,6 +295,47 @@ def test_bad_image_inputs():
         fd.forward(params, dict(b, input_ids=bad_ids), cfg=cfg)
 
 
+def test_images_without_vision_params_are_refused_before_encoding(monkeypatch):
+    """Params without the vision tower (a text-only load) and a batch with images: a bare
+    KeyError: 'image_start' before; now a ValueError naming the missing params, raised before any encode."""
+    cfg, params, g = setup()
+    b = vl_batch(g, int(g["prefill_len"]))
+    calls = []
+    real = vision.encode_image
+    monkeypatch.setattr(vision, "encode_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    text_only = {k: v for k, v in params.items()
+                 if k not in ("vision", "aligner", "image_start", "image_end", "image_newline")}
+    with pytest.raises(ValueError, match=r"params lack vision, aligner, image_start, image_end, image_newline.*"
+                                         r"vision tower"):
+        fd.forward(params=text_only, batch=b, cfg=cfg)
+    for k in ("image_newline", "aligner"):                       # one piece missing is named alone
+        with pytest.raises(ValueError, match=rf"params lack {k}: images need"):
+            fd.forward({kk: v for kk, v in params.items() if kk != k}, b, cfg=cfg)
+    assert calls == []                                           # refused before the first encode
+    fd.forward(text_only, dict(b, images=[None, None], token_types=torch.full_like(b["token_types"], -1)), cfg=cfg)
+
+
+def test_expand_image_tokens_wants_grids_not_load_image_pairs():
+    """load_image's (patches, grid) pairs given as grids failed with torch's "only one element tensors can
+    be converted to Python scalars"; now a ValueError saying grids[i] must be the grid (the pair's second
+    element). Bare grids of any integer kind still work; other malformed grids are refused alike."""
+    cfg, _, _ = setup()
+    img = ip.load_image(np.zeros((40, 60, 3), np.uint8), cfg)
+    ids = [0, cfg.image_token_id, 5]
+    want = ip.expand_image_tokens(ids, [img[1]], cfg)
+    assert len(want[0]) == 12
+    with pytest.raises(ValueError, match=r"grids\[0\] must be a pair of integers >= 1 .* got a \(patches "
+                                         r"\(35, 3, 14, 14\), grid \(5, 7\)\) pair; load_image returns "
+                                         r"\(patches, grid\): pass the grid, its second element"):
+        ip.expand_image_tokens(ids, [img], cfg)
+    for bad in [(0, 7), (5, -1), (5.0, 7), (True, 7), (5,), (5, 7, 1), "57", None, torch.zeros(2, 2, dtype=torch.long)]:
+        with pytest.raises(ValueError, match=r"grids\[0\] must be a pair of integers >= 1"):
+            ip.expand_image_tokens(ids, [bad], cfg)
+    for ok in ([5, 7], (np.int64(5), np.int32(7)), torch.tensor([5, 7]), (torch.tensor(5), torch.tensor(7))):
+        got = ip.expand_image_tokens(ids, [ok], cfg)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_text_only_rows_unchanged_by_images_key():
     """images=[None, None] with all-TEXT types is the text forward, bit for bit."""
     cfg, params, g = setup()
