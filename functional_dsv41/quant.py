@@ -15,6 +15,8 @@ Shape suffixes: N = output rows, K = input columns, B = blocks.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -31,7 +33,13 @@ FP4_TABLE = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 
 # ----------------------------------------------------------------------------- e8m0 scales
 def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
-    """e8m0 (or its uint8 bytes) -> fp32 2^(e-127). Any other dtype is refused: its values are not exponent bytes."""
+    """e8m0 (or its uint8 bytes) -> fp32 2^(e-127). Any other dtype is refused: its values are not exponent bytes.
+
+    Byte 255 decodes to +inf (2^(255-127) = 2^128 overflows fp32), whereas torch's own float8_e8m0fnu cast (OCP MX)
+    reads it as NaN. It is no valid scale: the quantizers write it only for a block holding a NaN / inf (see
+    ``_pow2_e8m0``), where the dequantised block is then inf / NaN either way. The TileLang kernels decode it the same
+    way (+inf), and their GPU tests pin that, so the two agree.
+    """
     if s.dtype not in (E8M0, torch.uint8):
         raise TypeError(f"e8m0_to_float: expected e8m0 (float8_e8m0fnu) or uint8 exponent bytes, got {s.dtype}")
     e = s.view(torch.uint8) if s.dtype == E8M0 else s
@@ -40,11 +48,16 @@ def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
 
 
 def float_to_e8m0(p: torch.Tensor) -> torch.Tensor:
-    """Exact powers of two (fp32) -> e8m0. Refuses anything that is not a power of two."""
+    """Exact powers of two (fp32) -> e8m0. Refuses anything that is not a power of two in e8m0's range 2^-127
+    (byte 0) .. 2^127 (byte 254; byte 255 is NaN): fp32 also holds 2^-149 .. 2^-128 (subnormals), whose byte
+    would wrap (2^-130 -> 253 = 2^126). One host sync (the check); ``_pow2_e8m0`` is the unchecked form."""
     p = p.float()
-    m, e = torch.frexp(p)  # p = m * 2^e, m in [0.5, 1)
-    if not bool(((m == 0.5) & (p > 0)).all()):
-        raise ValueError("float_to_e8m0: every scale must be a positive power of two")
+    m, e = torch.frexp(p)  # p = m * 2^e, m in [0.5, 1): p = 2^(e-1), byte e-1+127
+    ok = (m == 0.5) & (p > 0) & (e >= -126) & (e <= 128)
+    if not bool(ok.all()):
+        bad = p[~ok][0].item()
+        raise ValueError(f"float_to_e8m0: every scale must be a positive power of two within e8m0's range "
+                         f"2^-127 .. 2^127, got {bad!r}")
     return (e - 1 + 127).to(torch.uint8).view(E8M0)
 
 
@@ -68,9 +81,19 @@ def pow2_ceil_scale(amax: torch.Tensor, inv_max: float) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
 
 
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    if x.shape[-1] % block:
-        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the {block}-wide block")
+def _check_blocks(op: str, x: torch.Tensor, block_size) -> None:
+    """x [..., N] with N a multiple of a positive int block_size (a shape check: no host sync)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
+        raise ValueError(f"{op}: block_size must be a positive int, got {block_size!r}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must be [..., N] with N a multiple of block_size {block_size}, got a 0-d tensor")
+    if x.shape[-1] % block_size:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} is not a multiple of block_size {block_size} "
+                         f"(x must be [..., N] with N % {block_size} == 0), got {list(x.shape)}")
+
+
+def _blocks(x: torch.Tensor, block: int, op: str = "quant") -> torch.Tensor:
+    _check_blocks(op, x, block)
     return x.unflatten(-1, (x.shape[-1] // block, block))
 
 
@@ -184,7 +207,7 @@ def quant_fp4(w: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, tor
     ``quant_fp8_block``'s."""
     if check:
         _check_finite("quant_fp4", w)
-    blk = _blocks(w.float(), BLOCK)
+    blk = _blocks(w.float(), BLOCK, "quant_fp4")
     amax = blk.abs().amax(-1).clamp_min(FP4_MAX * 2.0 ** -126)
     s = pow2_ceil_scale(amax, 1.0 / FP4_MAX)
     codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
@@ -195,7 +218,7 @@ def dequant_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16)
     """fp8 rows [..., D] with e8m0 per-32-column scales [..., D/32] -> dtype [..., D] (Engram rows)."""
     _check_storage("dequant_fp8_rows", q, (FP8,), scale, (*q.shape[:-1], q.shape[-1] // BLOCK))
     s = e8m0_to_float(scale)
-    return (_blocks(q.float(), BLOCK) * s[..., None]).flatten(-2).to(dtype)
+    return (_blocks(q.float(), BLOCK, "dequant_fp8_rows") * s[..., None]).flatten(-2).to(dtype)
 
 
 def quant_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,10 +236,26 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
     ``amax = max(|x|, 1e-4)``; ue8m0: ``s = 2^ceil(log2(amax/448))``, else ``s = amax/448``;
     ``q = e4m3(clamp(x/s, -448, 448))``. Input is bf16 in the release (``_allow_float`` lets weight
     export use the same rule on fp32 values).
+
+    The defaults (``scale_fmt="ue8m0"``, ``scale_dtype=e8m0``) are the V4.1 linear's call (SPEC §9), not SPEC
+    §10.1's signature defaults (``scale_fmt=None, scale_dtype=fp32``): spell both out for the latter.
+    ``scale_fmt=None`` with an e8m0 ``scale_dtype`` is refused (ValueError): amax/448 is no power of two, and the
+    stored (rounded) scale would not be the one q was divided by.
+
+    Non-finite input (torch reference): a NaN or +-inf makes its block's scale non-finite (e8m0 byte 255; an fp32
+    scale inf); the block's finite elements quantise to 0 and the bad one to NaN, so the dequantised block is all
+    NaN; other blocks are unaffected. This is outside the tested contract of the TileLang kernel, which differs: it
+    leaves NaN out of the block max, and for an inf writes byte 255 with finite elements as +-448.
     """
+    op = "act_quant"
     if x.dtype != torch.bfloat16 and not _allow_float:
         raise TypeError(f"act_quant expects bf16 input, got {x.dtype}")
-    blk = _blocks(x.float(), block_size)
+    _check_blocks(op, x, block_size)
+    if scale_fmt is None and scale_dtype == E8M0:
+        raise ValueError("act_quant: scale_fmt=None (s = amax/448, not a power of two) cannot be stored in an e8m0 "
+                         "scale_dtype (float8_e8m0fnu): pass scale_dtype=torch.float32 with scale_fmt=None (SPEC "
+                         "§10.1's defaults), or scale_fmt='ue8m0' for e8m0 scales")
+    blk = _blocks(x.float(), block_size, op)
     amax = blk.abs().amax(-1).clamp_min(1e-4)
     if scale_fmt is not None:
         s = pow2_ceil_scale(amax, 1.0 / FP8_MAX)
@@ -231,7 +270,7 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
 def act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
     """The ``inplace=True`` form of act_quant: fp8 QDQ with ue8m0 scales, result in x's dtype."""
     q, s = act_quant(x, block_size, "ue8m0", torch.float32, _allow_float=True)
-    return (_blocks(q.float(), block_size) * s[..., None]).flatten(-2).to(x.dtype)
+    return (_blocks(q.float(), block_size, "act_quant_dequant") * s[..., None]).flatten(-2).to(x.dtype)
 
 
 def _fp4_scale(blk: torch.Tensor, scale_dtype) -> torch.Tensor:
@@ -244,13 +283,27 @@ def _fp4_scale(blk: torch.Tensor, scale_dtype) -> torch.Tensor:
     raise ValueError(f"fp4_act_quant: scale_dtype must be e8m0 or e4m3, got {scale_dtype}")
 
 
+def _check_fp4_act(op: str, x: torch.Tensor, block_size) -> None:
+    _check_blocks(op, x, block_size)
+    if x.shape[-1] % 2:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} must be even (two E2M1 codes a byte), got {list(x.shape)}")
+
+
 def fp4_act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_dtype: torch.dtype = E8M0):
     """Per-row 1 x block_size E2M1 quantization: returns (packed uint8 [..., N/2], scales [..., N/bs]).
 
     e8m0 scales (indexer q/k, block 32): ``amax >= 6*2^-126``, ``s = 2^ceil(log2(amax/6))``.
     e4m3 scales (compressed KV, block 16): ``amax >= 6*2^-9``, ``s = e4m3(amax/6)`` (saturating).
+
+    Non-finite input (torch reference): e8m0 scales: a NaN or +-inf makes its block's scale byte 255, all the
+    block's codes 0 (+-0) and its dequantised values NaN. e4m3 scales: a NaN makes the scale NaN (block NaN); an
+    inf saturates the scale at 448 and the inf element at code +-6, the block's finite elements are quantised
+    against that scale (mostly to 0).
+    Outside the tested contract of the TileLang kernel, which differs on NaN: it leaves NaN out of the block max.
     """
-    blk = _blocks(x.float(), block_size)
+    op = "fp4_act_quant"
+    _check_fp4_act(op, x, block_size)
+    blk = _blocks(x.float(), block_size, op)
     s = _fp4_scale(blk, scale_dtype)
     codes = fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
     s_out = _pow2_e8m0(s) if scale_dtype == E8M0 else s.to(FP8)
@@ -260,7 +313,7 @@ def fp4_act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_dtype: torch.d
 def fp4_act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK,
                           scale_dtype: torch.dtype = E8M0) -> torch.Tensor:
     """The ``inplace=True`` form: E2M1 QDQ, result in x's dtype (no host sync: usable under vmap)."""
-    blk = _blocks(x.float(), block_size)
+    blk = _blocks(x.float(), block_size, "fp4_act_quant_dequant")
     s = _fp4_scale(blk, scale_dtype)
     vals = fp4_decode(fp4_encode((blk / s[..., None]).clamp(-FP4_MAX, FP4_MAX))) * s[..., None]
     return vals.flatten(-2).to(x.dtype)

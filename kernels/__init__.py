@@ -22,8 +22,9 @@ from . import reference
 
 class Unsupported(ValueError):
     """Raised by a TileLang op, before it launches anything, for inputs it does not implement (e.g. a head
-    count or dtype its tiles do not cover) although the op is defined for them. ``impl="auto"`` then runs the
-    torch reference instead; ``impl="tilelang"`` lets it propagate."""
+    count or dtype its tiles do not cover, fp8_gemm's block_size other than 32) although the op is defined for
+    them. ``impl="auto"`` then runs the torch reference instead; ``impl="tilelang"`` lets it propagate. Invalid
+    input (what the torch op refuses too) raises a plain ValueError under every impl."""
 
 
 OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "fp4_gemm_grouped", "sparse_attn", "hc_split_sinkhorn",
@@ -70,13 +71,21 @@ def default_impl() -> str:
     return impl
 
 
+def _impl(impl, name: str | None = None) -> str:
+    """``impl`` itself (None: ``default_impl()``), refused unless one of IMPLS: a falsy value ("", 0) is no
+    request for the default."""
+    impl = default_impl() if impl is None else impl
+    if not isinstance(impl, str) or impl not in IMPLS:
+        op = f"{name}: " if name else ""
+        raise ValueError(f"{op}impl must be one of {IMPLS} (or None for the default, DSV41_KERNELS), got {impl!r}")
+    return impl
+
+
 def resolve(name: str, impl: str | None = None, *, on_cuda: bool = True) -> Callable:
     """The function that runs op ``name`` under ``impl``."""
     if name not in OPS:
         raise ValueError(f"unknown kernel {name!r}; known: {OPS}")
-    impl = impl or default_impl()
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    impl = _impl(impl, name)
     if impl == "torch":
         return getattr(reference, name)
     if impl == "tilelang":
@@ -105,7 +114,7 @@ def _dispatcher(name: str):
 
     @functools.wraps(ref)
     def op(*args, impl: str | None = None, **kwargs):
-        impl = impl or default_impl()
+        impl = _impl(impl, name)
         fn = resolve(name, impl, on_cuda=_first_tensor_is_cuda(args, kwargs))
         try:
             return fn(*args, **kwargs)

@@ -8,6 +8,8 @@ Shape legend: B batch, M queries, H heads, D head dim, T index slots, N kv rows 
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from functional_dsv41 import invariant, quant
@@ -54,14 +56,44 @@ def _shape_error(op: str, problems: list[str]) -> None:
         raise ValueError(f"{op}: " + "; ".join(problems))
 
 
+def _check_int(name: str, v, multiple_of: int = 1, note: str = "") -> str | None:
+    """A positive int ``v`` (a multiple of ``multiple_of``), else the problem."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0 or v % multiple_of:
+        what = "a positive int" if multiple_of == 1 else f"a positive multiple of {multiple_of}"
+        return f"{name} must be {what}{note}, got {v!r}"
+    return None
+
+
+def _check_gemm_dtypes(p: list, a, a_s, b, b_s, b_dtypes: tuple, b_what: str) -> None:
+    """The block-scaled GEMMs' operand dtypes: a e4m3, b ``b_dtypes``, scales e8m0 or fp32 VALUES. uint8 scales
+    are refused rather than read: the TileLang path's scale expansion (``_gemm.scales_f32``) takes every non-e8m0
+    scale as values, so e8m0 bytes must come as e8m0 (``.view(torch.float8_e8m0fnu)``) to mean the same to both."""
+    if a.dtype != quant.FP8:
+        p.append(f"a must be e4m3 (float8_e4m3fn) activations, got {a.dtype}")
+    if b.dtype not in b_dtypes:
+        p.append(f"b must be {b_what}, got {b.dtype}")
+    for name, sc in (("a_s", a_s), ("b_s", b_s)):
+        if sc.dtype not in (quant.E8M0, torch.float32):
+            hint = (f" (e8m0 exponent bytes: pass {name}.view(torch.float8_e8m0fnu))" if sc.dtype == torch.uint8
+                    else "")
+            p.append(f"{name} must be e8m0 (float8_e8m0fnu) or float32 scales, got {sc.dtype}{hint}")
+
+
 def check_fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
                    block_size: int = 32) -> None:
-    """fp8_gemm's operand shapes (every implementation checks them before it runs): a [..., K], a_s [...,
-    K/bs], b [N, K], b_s [ceil(N/bs), K/bs]. A scale of another shape would broadcast into a wrong product."""
-    K, N = a.shape[-1], b.shape[0] if b.dim() else 0
+    """fp8_gemm's operands (every implementation checks them before it runs): a e4m3 [..., K], a_s [...,
+    K/bs], b e4m3 [N, K], b_s [ceil(N/bs), K/bs], scales e8m0 or fp32, K >= 1. A scale of another shape would
+    broadcast into a wrong product."""
     p = []
+    bad_bs = _check_int("block_size", block_size)
+    if bad_bs or a.dim() == 0:
+        _shape_error("fp8_gemm", [bad_bs or "a must be [..., K], got a 0-d tensor"])
+    _check_gemm_dtypes(p, a, a_s, b, b_s, (quant.FP8,), "e4m3 (float8_e4m3fn) [N, K]")
+    K, N = a.shape[-1], b.shape[0] if b.dim() else 0
     if b.dim() != 2 or b.shape[-1] != K:
         p.append(f"b must be [N, K={K}] like a's last dim, got {list(b.shape)}")
+    elif K == 0:
+        p.append(f"K=0: a [..., K] and b [N, K] need K >= 1 (a multiple of block_size {block_size})")
     elif K % block_size:
         p.append(f"K={K} is not a multiple of the block size {block_size}")
     elif tuple(a_s.shape) != (*a.shape[:-1], K // block_size):
@@ -75,11 +107,21 @@ def check_fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: tor
 
 def check_fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
                    act_block_size: int = 32) -> None:
-    """fp4_gemm's operand shapes: a [..., K], a_s [..., K/act_block_size], b packed [N, K/2], b_s [N, K/32]."""
-    K = a.shape[-1]
+    """fp4_gemm's operands: a e4m3 [..., K], a_s [..., K/act_block_size], b packed e2m1 [N, K/2]
+    (float4_e2m1fn_x2, or its uint8 bytes), b_s [N, K/32], scales e8m0 or fp32, K >= 1, act_block_size a
+    multiple of 32 (SPEC §10.4: 32 or 128)."""
     p = []
+    bad_bs = _check_int("act_block_size", act_block_size, 32, " (SPEC §10.4: 32 or 128)")
+    if bad_bs or a.dim() == 0:
+        _shape_error("fp4_gemm", [bad_bs or "a must be [..., K], got a 0-d tensor"])
+    _check_gemm_dtypes(p, a, a_s, b, b_s, (quant.FP4X2, torch.uint8),
+                       "packed e2m1 (float4_e2m1fn_x2, or its uint8 bytes) [N, K/2]")
+    K = a.shape[-1]
     if b.dim() != 2 or 2 * b.shape[-1] != K:
         p.append(f"b must be packed e2m1 [N, K/2={K // 2}] for a's K={K}, got {list(b.shape)}")
+    elif K == 0:
+        p.append(f"K=0: a [..., K] and b [N, K/2] need K >= 1 (a multiple of 32 and of act_block_size "
+                 f"{act_block_size})")
     elif K % 32 or K % act_block_size:
         p.append(f"K={K} is not a multiple of 32 and of act_block_size {act_block_size}")
     elif tuple(a_s.shape) != (*a.shape[:-1], K // act_block_size):
@@ -93,8 +135,9 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
              scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
     """C = A @ B^T with block scales (SPEC §10.3).
 
-    a e4m3 [..., K] with a_s [..., K/bs]; b e4m3 [N, K] with b_s [ceil(N/bs), K/bs].
-    fp32 accumulation of the scaled K-block partial products, in K order.
+    a e4m3 [..., K] with a_s [..., K/bs]; b e4m3 [N, K] with b_s [ceil(N/bs), K/bs]; scales e8m0 or fp32 values
+    (uint8 e8m0 bytes are refused: view them as e8m0). fp32 accumulation of the scaled K-block partial products,
+    in K order. Operands of another dtype or shape: ValueError (``check_fp8_gemm``).
     """
     check_fp8_gemm(a, a_s, b, b_s, block_size)
     N = b.shape[0]
@@ -104,8 +147,9 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
 
 def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype=quant.E8M0, act_block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """C = A @ fp4(B)^T (SPEC §10.4): a e4m3 [..., K] with per-act_block_size scales; b packed e2m1
-    [N, K/2] with e8m0 [N, K/32]."""
+    """C = A @ fp4(B)^T (SPEC §10.4): a e4m3 [..., K] with per-act_block_size scales (a multiple of 32); b packed
+    e2m1 [N, K/2] (float4_e2m1fn_x2 or uint8 bytes) with e8m0 [N, K/32]; scales e8m0 or fp32 values. Operands of
+    another dtype or shape: ValueError (``check_fp4_gemm``)."""
     check_fp4_gemm(a, a_s, b, b_s, act_block_size)
     w = quant.fp4_unpack_decode(b)
     a_s32 = _scales_to_float(a_s).repeat_interleave(act_block_size // 32, -1)
@@ -119,6 +163,16 @@ def check_groups(a: torch.Tensor, b, b_s, counts, what: str) -> list[int]:
     G = len(b)
     if len(b_s) != G or len(counts) != G:
         raise ValueError(f"{what}: {G} weights, {len(b_s)} scales and {len(counts)} counts; they must agree")
+    p = []
+    if a.dtype != quant.FP8:
+        p.append(f"a must be e4m3 (float8_e4m3fn) activations, got {a.dtype}")
+    bd = {b.dtype} if isinstance(b, torch.Tensor) else {w.dtype for w in b}
+    sd = {b_s.dtype} if isinstance(b_s, torch.Tensor) else {sc.dtype for sc in b_s}
+    if not bd <= {quant.FP4X2, torch.uint8}:
+        p.append(f"b must be packed e2m1 (float4_e2m1fn_x2, or its uint8 bytes), got {sorted(map(str, bd))}")
+    if not sd <= {quant.E8M0, torch.float32}:
+        p.append(f"b_s must be e8m0 (float8_e8m0fnu) or float32 scales, got {sorted(map(str, sd))}")
+    _shape_error(what, p)
     if any(n < 0 for n in counts) or sum(counts) != a.shape[0]:
         raise ValueError(f"{what}: counts must be >= 0 and sum to a's {a.shape[0]} rows, got sum {sum(counts)}")
     return counts
@@ -161,12 +215,26 @@ def check_sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor
     _shape_error("sparse_attn", p)
 
 
+def _out_of_range(topk_idxs: torch.Tensor, N: int) -> str:
+    """sparse_attn's error for an index >= N (only built once the gather failed: it reads the indices)."""
+    try:
+        v = int(topk_idxs[topk_idxs >= N].max())
+    except Exception:                                                   # e.g. under vmap: name no value
+        v = None
+    got = f"holds {v}" if v is not None else "holds an index"
+    return (f"sparse_attn: topk_idxs {got} >= N={N} (the kv rows); indices must be in [0, N), or negative for "
+            f"a hole")
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
                 softmax_scale: float, block: int = 64) -> torch.Tensor:
     """Single shared KV head attention over index lists (SPEC §10.5).
 
     q [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), attn_sink [H] fp32, topk_idxs [B, M, T] int
-    (-1 = none; every negative index is a hole, as in the kernels, whose bounds check skips it). Online softmax
+    (-1 = none; every negative index is a hole, as in the kernels, whose bounds check skips it). Indices must be
+    in [0, N) or negative: one >= N is an error on CPU tensors (ValueError naming it; not checked beforehand, as
+    that would read the indices back) and undefined on CUDA (a device-side assert here, a zero row in TileLang).
+    N = 0 is allowed when every index is a hole (the output is then 0, as for any all-hole row). Online softmax
     over index blocks of ``block`` exactly as the release kernel runs it: running max starts at -1e30 (an
     all-invalid row returns 0, and its sink gets a zero gradient), probabilities are cast to bf16 before
     P @ V, the sink adds ``exp(sink - m)`` to the denominator only. Returns o [B, M, H, D] bf16.
@@ -180,11 +248,20 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
     m = torch.full((B, M, H), -1e30, dtype=torch.float32, device=q.device)
     l = torch.zeros((B, M, H), dtype=torch.float32, device=q.device)
     acc = torch.zeros((B, M, H, D), dtype=torch.float32, device=q.device)
+    N = kv.shape[1]
+    if N == 0 and T and not topk_idxs.is_cuda and bool((topk_idxs >= 0).any()):   # CPU, no kv rows: any index is out
+        raise ValueError(_out_of_range(topk_idxs, N))
     bidx = torch.arange(B, device=q.device)[:, None, None]
     for t0 in range(0, T, block):
         idx = topk_idxs[..., t0:t0 + block].long()                      # [B, M, t]
         valid = idx >= 0
-        kv_t = kv[bidx, idx.clamp_min(0)]                               # [B, M, t, D] bf16
+        if N == 0:                                                      # every slot a hole: nothing to gather
+            kv_t = kv.new_zeros(*idx.shape, D)
+        else:
+            try:
+                kv_t = kv[bidx, idx.clamp_min(0)]                       # [B, M, t, D] bf16
+            except IndexError as e:                                     # CPU: an index >= N (CUDA asserts)
+                raise ValueError(_out_of_range(topk_idxs, N)) from e
         s = torch.einsum("bmhd,bmtd->bmht", qf, kv_t.float()) * softmax_scale
         s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
@@ -201,13 +278,31 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk
     return (acc / l[..., None]).to(q.dtype)
 
 
+def check_hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor, hc_mult: int) -> None:
+    """hc_split_sinkhorn's operand shapes: mixes [..., (2+hc)*hc], hc_scale [3], hc_base [(2+hc)*hc]."""
+    bad = _check_int("hc_mult", hc_mult)
+    if bad:
+        _shape_error("hc_split_sinkhorn", [bad])
+    n = (2 + hc_mult) * hc_mult
+    p = []
+    if mixes.dim() == 0 or mixes.shape[-1] != n:
+        p.append(f"mixes must be [..., (2 + hc_mult) * hc_mult = {n}] for hc_mult={hc_mult}, got {list(mixes.shape)}")
+    if tuple(hc_scale.shape) != (3,):
+        p.append(f"hc_scale must be [3] (the pre, post and comb scales), got {list(hc_scale.shape)}")
+    if tuple(hc_base.shape) != (n,):
+        p.append(f"hc_base must be [(2 + hc_mult) * hc_mult = {n}] for hc_mult={hc_mult}, got {list(hc_base.shape)}")
+    _shape_error("hc_split_sinkhorn", p)
+
+
 def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
                       hc_mult: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6):
     """Split the (2+hc)*hc mixes into pre [.., hc], post [.., hc], comb [.., hc, hc] (SPEC §2, §10.6). fp32 (the
     arithmetic and the outputs, whatever the inputs' dtype: fp64 inputs do not make it an fp64 op).
 
     comb = softmax over the last dim + eps, column-normalise, then (iters-1) x (row, column) normalise.
+    mixes [..., (2+hc)*hc], hc_scale [3] (pre, post, comb), hc_base [(2+hc)*hc]; others: ValueError.
     """
+    check_hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult)
     hc = hc_mult
     mixes, hc_scale, hc_base = mixes.float(), hc_scale.float(), hc_base.float()   # fp32 arithmetic, whatever comes in
     pre = invariant.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps

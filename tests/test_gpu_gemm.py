@@ -166,6 +166,20 @@ def test_fp8_gemm_leading_dims():
     assert cosine_diff(c, K.fp8_gemm(a3, s3, b, b_s, impl="torch")) < 1e-5
 
 
+def test_fp8_gemm_block_size_64_falls_back_under_auto():
+    """The kernels tile 32 x 32 scale blocks only: block_size 64 raised NotImplementedError through impl="auto";
+    it is ``Unsupported`` now, so auto runs the torch op (and impl="tilelang" still refuses)."""
+    _need_tilelang()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    a, a_s = Q.act_quant(torch.randn(3, 128, device=DEV, generator=g).bfloat16(), 64, "ue8m0", Q.E8M0)
+    b = Q.quant_fp8_block(torch.randn(64, 128, device=DEV, generator=g))[0]
+    b_s = Q.float_to_e8m0(torch.tensor([[0.5, 0.25]], device=DEV))
+    ref = K.fp8_gemm(a, a_s, b, b_s, block_size=64, impl="torch")
+    assert torch.equal(K.fp8_gemm(a, a_s, b, b_s, block_size=64, impl="auto"), ref)
+    with pytest.raises(K.Unsupported, match="block_size 32 only"):
+        K.fp8_gemm(a, a_s, b, b_s, block_size=64, impl="tilelang")
+
+
 
 # ----------------------------------------------------------------------------- fp4 GEMM (fp8 act x fp4 weight)
 FP4_GEMM_SHAPES = [(5, 70, 96), (128, 2304, 5120), (300, 5120, 2304), (4096, 2304, 5120), (4096, 5120, 2304)]

@@ -240,3 +240,167 @@ def test_hc_split_sinkhorn_is_fp32_whatever_the_inputs():
     got = K.hc_split_sinkhorn(m.double(), s.double(), b.double(), impl="torch")
     for w, o in zip(want, got):
         assert o.dtype == torch.float32 and torch.equal(o, w)
+
+
+# ----------------------------------------------------------------------------- operand contract (review 31)
+def _gemm_operands(seed=0, M=3, N=64, Kd=64):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, Kd, generator=g)
+    a, a_s = Q.act_quant(torch.randn(M, Kd, generator=g).bfloat16(), 32, "ue8m0", Q.E8M0)
+    return a, a_s, W, Q.quant_fp8_block(W), Q.quant_fp4(W)
+
+
+def test_block_scaled_gemms_check_operand_dtypes():
+    """Dtypes were never checked: uint8 e8m0 bytes were read as scale VALUES (products off by 10^4..10^6) and a
+    bf16 or e4m3 tensor where the quantised weight belongs ran silently. Now a ValueError names the op, the operand
+    and its dtype; e8m0 bytes are to be viewed as e8m0 (what the TileLang path also reads as bytes)."""
+    a, a_s, W, (w8, s8), (w4, s4) = _gemm_operands()
+    u8 = torch.uint8
+    cases = [
+        (K.fp8_gemm, (a, a_s, w8, s8.view(u8)), r"fp8_gemm: b_s must be e8m0 .* got torch\.uint8 .*b_s\.view\("),
+        (K.fp8_gemm, (a, a_s.view(u8), w8, s8), r"fp8_gemm: a_s must be e8m0 .* got torch\.uint8"),
+        (K.fp8_gemm, (a, a_s, W.bfloat16(), s8), r"fp8_gemm: b must be e4m3 .* got torch\.bfloat16"),
+        (K.fp8_gemm, (a.float(), a_s, w8, s8), r"fp8_gemm: a must be e4m3 .* got torch\.float32"),
+        (K.fp8_gemm, (a, a_s, w8, Q.e8m0_to_float(s8).bfloat16()), r"fp8_gemm: b_s must be .* got torch\.bfloat16"),
+        (K.fp4_gemm, (a, a_s, w4, s4.view(u8)), r"fp4_gemm: b_s must be e8m0 .* got torch\.uint8"),
+        (K.fp4_gemm, (a, a_s.view(u8), w4, s4), r"fp4_gemm: a_s must be e8m0 .* got torch\.uint8"),
+        (K.fp4_gemm, (a, a_s, w8[:, :32], s4), r"fp4_gemm: b must be packed e2m1 .* got torch\.float8_e4m3fn"),
+        (K.fp4_gemm, (a.bfloat16(), a_s, w4, s4), r"fp4_gemm: a must be e4m3 .* got torch\.bfloat16"),
+    ]
+    for f, args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            f(*args, impl="torch")
+    with pytest.raises(ValueError, match=r"fp4_gemm_grouped: b_s must be e8m0 .*uint8"):
+        K.fp4_gemm_grouped(a, a_s, [w4, w4], [s4, s4.view(u8)], [1, 2], impl="torch")
+    with pytest.raises(ValueError, match=r"fp4_gemm_grouped: b must be packed e2m1 .*float8_e4m3fn"):
+        K.fp4_gemm_grouped(a, a_s, [w4, w8[:, :32]], [s4, s4], [1, 2], impl="torch")
+    # the accepted forms: fp32 scale values, packed fp4 as uint8 bytes
+    c8 = K.fp8_gemm(a, a_s, w8, s8, impl="torch")
+    assert torch.equal(K.fp8_gemm(a, Q.e8m0_to_float(a_s), w8, Q.e8m0_to_float(s8), impl="torch"), c8)
+    c4 = K.fp4_gemm(a, a_s, w4, s4, impl="torch")
+    assert torch.equal(K.fp4_gemm(a, a_s, w4.view(u8), Q.e8m0_to_float(s4), impl="torch"), c4)
+    torch.testing.assert_close(c8.float(), (a.float() * Q.e8m0_to_float(a_s).repeat_interleave(32, -1))
+                               @ Q.dequant_fp8_block(w8, s8, torch.float32).T, rtol=2 ** -7, atol=1e-3)
+
+
+def test_block_scaled_gemms_refuse_bad_sizes_naming_the_op():
+    """K = 0 failed in a reshape, act_block_size=16 in a broadcast and block_size=0 with ZeroDivisionError."""
+    a, a_s, W, (w8, s8), (w4, s4) = _gemm_operands()
+    with pytest.raises(ValueError, match=r"fp8_gemm: K=0: .*K >= 1"):
+        K.fp8_gemm(a[:, :0], a_s[:, :0], w8[:, :0], s8[:, :0], impl="torch")
+    with pytest.raises(ValueError, match=r"fp4_gemm: K=0: .*K >= 1"):
+        K.fp4_gemm(a[:, :0], a_s[:, :0], w4[:, :0], s4[:, :0], impl="torch")
+    a16, a16s = Q.act_quant(torch.randn(3, 64).bfloat16(), 16, "ue8m0", Q.E8M0)
+    for bs in (16, 0, 48):
+        with pytest.raises(ValueError, match=rf"fp4_gemm: act_block_size must be a positive multiple of 32 "
+                                             rf"\(SPEC §10.4: 32 or 128\), got {bs}"):
+            K.fp4_gemm(a16, a16s, w4, s4, act_block_size=bs, impl="torch")
+    for bs in (0, -32):
+        with pytest.raises(ValueError, match=rf"fp8_gemm: block_size must be a positive int, got {bs}"):
+            K.fp8_gemm(a, a_s, w8, s8, block_size=bs, impl="torch")
+    with pytest.raises(ValueError, match=r"fp8_gemm: a must be \[\.\.\., K\], got a 0-d"):
+        K.fp8_gemm(a[0, 0], a_s, w8, s8, impl="torch")
+    assert K.fp8_gemm(a[:0], a_s[:0], w8, s8, impl="torch").shape == (0, 64)      # M = 0 stays fine
+
+
+def test_hc_split_sinkhorn_refuses_wrong_lengths_naming_them():
+    """Wrong mixes / base / scale lengths failed in a broadcast, an unflatten or with an IndexError."""
+    m, s, b = torch.randn(2, 24), torch.rand(3), torch.randn(24)
+    cases = [((torch.randn(2, 25), s, b), {}, r"mixes must be \[\.\.\., \(2 \+ hc_mult\) \* hc_mult = 24\] for "
+                                               r"hc_mult=4, got \[2, 25\]"),
+             ((m, s, b), {"hc_mult": 3}, r"mixes must be \[\.\.\., .* = 15\] for hc_mult=3"),
+             ((m, s, torch.randn(20)), {}, r"hc_base must be \[\(2 \+ hc_mult\) \* hc_mult = 24\].*got \[20\]"),
+             ((m, torch.rand(1), b), {}, r"hc_scale must be \[3\].*got \[1\]"),
+             ((m, s, b), {"hc_mult": 0}, r"hc_mult must be a positive int, got 0")]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=r"^hc_split_sinkhorn: .*" + match):
+            K.hc_split_sinkhorn(*args, **kw, impl="torch")
+
+
+def test_sparse_attn_index_out_of_range_and_empty_kv():
+    """An index >= N raised a bare IndexError on CPU (naming neither the op nor N); N = 0 with every slot a hole
+    raised IndexError although the result is defined (0). The valid path still reads nothing back."""
+    from test_host_sync import count_host_reads
+    g = torch.Generator().manual_seed(0)
+    q, kv, sink = torch.randn(1, 3, 2, 16, generator=g).bfloat16(), torch.randn(1, 150, 16, generator=g).bfloat16(), \
+        torch.randn(2, generator=g)
+    idx = torch.randint(0, 150, (1, 3, 70), generator=g, dtype=torch.int32)
+    idx[0, 1, ::3] = -1
+    with count_host_reads() as calls:
+        o = K.sparse_attn(q, kv, sink, idx, 0.25, impl="torch")
+    assert calls == [] and torch.isfinite(o.float()).all()
+    for v in (150, 10 ** 6):
+        bad = idx.clone()
+        bad[0, 2, 66] = v                                                  # in the second block of 64
+        with pytest.raises(ValueError, match=rf"^sparse_attn: topk_idxs holds {v} >= N=150"):
+            K.sparse_attn(q, kv, sink, bad, 0.25, impl="torch")
+    holes = torch.full((1, 3, 4), -1)
+    o0 = K.sparse_attn(q, kv[:, :0], sink, holes, 0.25, impl="torch")
+    assert o0.shape == q.shape and o0.dtype == q.dtype and (o0 == 0).all()
+    holes[0, 1, 2] = 0
+    with pytest.raises(ValueError, match=r"^sparse_attn: topk_idxs holds 0 >= N=0"):
+        K.sparse_attn(q, kv[:, :0], sink, holes, 0.25, impl="torch")
+    doc = K.reference.sparse_attn.__doc__
+    assert "[0, N)" in doc and "undefined on CUDA" in doc
+
+
+def test_impl_is_validated_not_defaulted_when_falsy():
+    """impl="" or 0 ran the default implementation (``impl or default_impl()``)."""
+    x = torch.randn(2, 64).bfloat16()
+    for bad in ("", 0, False, "Torch"):
+        with pytest.raises(ValueError, match=r"^act_quant: impl must be one of \('auto', 'torch', 'tilelang'\)"):
+            K.act_quant(x, 32, impl=bad)
+        with pytest.raises(ValueError, match="impl must be one of"):
+            K.resolve("act_quant", bad)
+    assert K.act_quant(x, 32, impl=None)[1].shape == (2, 2)
+
+
+@pytest.fixture
+def tilelang_wrappers():
+    """kernels.tilelang with CPU tensors, for the host-side code that runs before any kernel is built: the real
+    package where tilelang imports, else imported against a stand-in ``tilelang`` module (then removed again)."""
+    import importlib
+    import importlib.util
+    import sys
+    from unittest import mock
+    if importlib.util.find_spec("tilelang") is not None:
+        yield importlib.import_module("functional_dsv41.kernels.tilelang")
+        return
+    pkg = "functional_dsv41.kernels.tilelang"
+    saved = {n: sys.modules.pop(n) for n in list(sys.modules) if n == pkg or n.startswith(pkg + ".")}
+    had, attr = hasattr(K, "tilelang"), getattr(K, "tilelang", None)
+    stub = mock.MagicMock()
+    sys.modules["tilelang"], sys.modules["tilelang.language"] = stub, stub.language
+    try:
+        yield importlib.import_module(pkg)
+    finally:
+        for n in [n for n in sys.modules if n in ("tilelang", "tilelang.language") or n == pkg
+                  or n.startswith(pkg + ".")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+        if had:
+            K.tilelang = attr
+        elif hasattr(K, "tilelang"):
+            del K.tilelang
+
+
+def test_tilelang_fp8_gemm_other_block_size_falls_back_under_auto(tilelang_wrappers, monkeypatch):
+    """TileLang fp8_gemm raised NotImplementedError for block_size 64, so impl="auto" failed instead of running the
+    torch op: it raises ``Unsupported`` (after the shared operand checks, which still raise ValueError)."""
+    tl = tilelang_wrappers
+    g = torch.Generator().manual_seed(0)
+    a, a_s = Q.act_quant(torch.randn(3, 128, generator=g).bfloat16(), 64, "ue8m0", Q.E8M0)
+    w8 = Q.quant_fp8_block(torch.randn(64, 128, generator=g))[0]
+    b_s = Q.float_to_e8m0(torch.tensor([[0.5, 0.25]]))                   # [ceil(64/64), 128/64]
+    with pytest.raises(K.Unsupported, match=r"fp8_gemm \(tilelang\): block_size 32 only, got 64"):
+        tl.fp8_gemm(a, a_s, w8, b_s, block_size=64)
+    with pytest.raises(ValueError, match=r"fp8_gemm: b_s must be \[1, 2\]") as e:
+        tl.fp8_gemm(a, a_s, w8, b_s[:, :1], block_size=64)
+    assert not isinstance(e.value, K.Unsupported)
+    real = K.resolve
+    monkeypatch.setattr(K, "resolve", lambda name, impl=None, on_cuda=True:
+                        real(name, "torch") if impl == "torch" else tl.fp8_gemm)
+    ref = K.reference.fp8_gemm(a, a_s, w8, b_s, block_size=64)
+    assert torch.equal(K.fp8_gemm(a, a_s, w8, b_s, block_size=64, impl="auto"), ref)
+    with pytest.raises(K.Unsupported, match="block_size 32 only"):
+        K.fp8_gemm(a, a_s, w8, b_s, block_size=64, impl="tilelang")

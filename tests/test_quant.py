@@ -144,3 +144,89 @@ def test_weight_quantizers_refuse_non_finite_values_alike(bad):
     for f in (quant.quant_fp8_block, quant.quant_fp4, quant.quant_fp8_rows):
         with pytest.raises(ValueError, match=rf"{f.__name__}: the weight \[64, 64\] has 1 non-finite value.*\[3, 5\]"):
             f(w)
+
+
+# ----------------------------------------------------------------------------- activation quantizers: edge contract
+def test_act_quant_scale_fmt_none_needs_a_float_scale_dtype():
+    """SPEC §10.1's call act_quant(x, 32, None) (s = amax/448) with the library's default e8m0 scale_dtype stored
+    a floored power of two that is not the s q was divided by (dequant off by up to 2x): it is refused, and with
+    the fp32 scale SPEC §10.1 defaults to, q * s gives x back."""
+    from functional_dsv41 import kernels as K
+    x = torch.tensor([[3.0] * 31 + [5.0], [0.1] * 32], dtype=torch.bfloat16)
+    for f in (quant.act_quant, lambda *a: K.act_quant(*a, impl="torch")):
+        with pytest.raises(ValueError, match=r"act_quant: scale_fmt=None .* e8m0 .*scale_dtype=torch\.float32"):
+            f(x, 32, None)
+        with pytest.raises(ValueError, match=r"act_quant: scale_fmt=None"):
+            f(x, 32, None, quant.E8M0)
+    q, s = quant.act_quant(x, 32, None, torch.float32)
+    assert s.dtype == torch.float32 and torch.equal(s[:, 0], x.float().abs().amax(-1) / 448)
+    torch.testing.assert_close(q.float() * s, x.float(), rtol=2 ** -3, atol=0)
+    q8, s8 = quant.act_quant(x, 32)                                       # the linear's call is unchanged
+    assert s8.dtype == quant.E8M0 and quant.e8m0_to_float(s8)[0, 0] == 2.0 ** -6
+
+
+@pytest.mark.parametrize("f", [quant.act_quant, quant.fp4_act_quant], ids=lambda f: f.__name__)
+def test_activation_quantizers_refuse_bad_shapes_naming_the_op(f):
+    """A last dim off the block said "last dim 40 ..." without the op, block_size=0 raised ZeroDivisionError and
+    a 0-d input IndexError."""
+    op = f.__name__
+    with pytest.raises(ValueError, match=rf"^{op}: x's last dim 40 is not a multiple of block_size 32"):
+        f(torch.randn(2, 40).bfloat16(), 32)
+    for bs in (0, -32, 1.5):
+        with pytest.raises(ValueError, match=rf"^{op}: block_size must be a positive int, got {bs}"):
+            f(torch.randn(2, 64).bfloat16(), bs)
+    with pytest.raises(ValueError, match=rf"^{op}: x must be \[\.\.\., N\].*0-d tensor"):
+        f(torch.tensor(1.0).bfloat16(), 32)
+    f(torch.randn(0, 64).bfloat16(), 32)                                  # no rows: fine
+
+
+def test_fp4_act_quant_needs_an_even_last_dim():
+    with pytest.raises(ValueError, match=r"^fp4_act_quant: x's last dim 9 must be even"):
+        quant.fp4_act_quant(torch.randn(2, 9).bfloat16(), 3)
+
+
+def test_float_to_e8m0_refuses_powers_of_two_outside_e8m0():
+    """2^-130 (an fp32 subnormal) wrapped to byte 253 = 2^126; e8m0 holds 2^-127 (byte 0) .. 2^127 (byte 254)."""
+    ok = torch.tensor([2.0 ** -127, 2.0 ** -126, 1.0, 2.0 ** 127])
+    b = quant.float_to_e8m0(ok)
+    assert b.view(torch.uint8).tolist() == [0, 1, 127, 254]
+    assert torch.equal(quant.e8m0_to_float(b), ok)
+    for bad in (2.0 ** -128, 2.0 ** -130, 2.0 ** -149, float("inf"), 0.0, 3.0, -2.0):
+        with pytest.raises(ValueError, match=r"float_to_e8m0: .*positive power of two within e8m0's range"):
+            quant.float_to_e8m0(torch.tensor([1.0, bad]))
+    with pytest.raises(ValueError, match="float_to_e8m0"):
+        quant.float_to_e8m0(torch.tensor([2.0 ** -200], dtype=torch.float64))
+
+
+def test_e8m0_to_float_decodes_byte_255_as_inf():
+    """Documented, not changed (the TileLang kernels decode it alike): byte 255 -> +inf (2^128 overflows fp32),
+    where torch's float8_e8m0fnu cast gives NaN."""
+    b = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)
+    assert quant.e8m0_to_float(b).tolist() == [2.0 ** -127, 2.0 ** -126, 1.0, 2.0 ** 127, float("inf")]
+    assert torch.equal(quant.e8m0_to_float(b.view(quant.E8M0)), quant.e8m0_to_float(b))
+    assert "255" in quant.e8m0_to_float.__doc__ and "NaN" in quant.e8m0_to_float.__doc__
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_activation_quantizers_non_finite_input(bad):
+    """The torch reference's documented behaviour on a NaN / inf (outside the TileLang kernels' tested contract):
+    the block's scale is non-finite (e8m0 byte 255) and its dequantised values NaN; other blocks are unaffected;
+    e4m3 fp4 scales saturate at 448 for an inf."""
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    x[0, 3] = bad
+    q, s = quant.act_quant(x, 32)
+    assert s.view(torch.uint8).tolist() == [[255, 119]]
+    qdq = quant.act_quant_dequant(x)
+    assert torch.isnan(qdq[0, :32]).all() and (qdq[0, 32:] == 1).all()
+    p, s4 = quant.fp4_act_quant(x, 32)
+    assert s4.view(torch.uint8).tolist() == [[255, 125]] and (quant.unpack_fp4(p)[0, :32] & 7 == 0).all()
+    assert torch.isnan(quant.fp4_act_quant_dequant(x)[0, :32]).all()
+    p16, s16 = quant.fp4_act_quant(x, 16, quant.FP8)
+    codes = quant.unpack_fp4(p16)[0]
+    if bad != bad:
+        assert torch.isnan(s16[0, 0].float())
+        assert torch.isnan(quant.fp4_act_quant_dequant(x, 16, quant.FP8)[0, :16]).all()
+    else:
+        assert s16[0, 0].float() == 448 and codes[3] == (7 if bad > 0 else 15) and (codes[:3] == 0).all()
+    for f in (quant.act_quant, quant.fp4_act_quant):
+        assert "TileLang" in f.__doc__ and "NaN" in f.__doc__

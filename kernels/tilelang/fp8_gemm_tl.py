@@ -52,7 +52,7 @@ from functional_dsv41 import quant
 
 from .. import reference
 
-from ._common import compile_kernel, register_pool_per_row, sm_count
+from ._common import Unsupported, compile_kernel, register_pool_per_row, sm_count
 from ._gemm import dequant_bf16, promote_loop, scales_f32
 
 SMEM_MAX = 227 * 1024 - 1024          # dynamic shared memory per CTA (H100/H200), minus barriers
@@ -347,9 +347,9 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     clusters multicasting the A tile, ceil(N/BN) even), "halves" (``fp8_gemm_halves_kernel``: each slice's WGMMA in
     two software-pipelined column halves), "loop" (``fp8_gemm_kernel``, any K multiple of 32) or
     "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel."""
-    if block_size != 32:
-        raise NotImplementedError("fp8_gemm (tilelang): block_size 32 only")
     reference.check_fp8_gemm(a, a_s, b, b_s, block_size)     # the torch op's shape checks, the same errors
+    if block_size != 32:                # valid, but not what the kernels tile: impl="auto" runs the torch op
+        raise Unsupported(f"fp8_gemm (tilelang): block_size 32 only, got {block_size}")
     K = a.shape[-1]
     N = b.shape[0]
     lead = a.shape[:-1]
