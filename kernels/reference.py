@@ -156,9 +156,9 @@ def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     return _block_scaled_gemm(a.float(), a_s32, w, _scales_to_float(b_s), 32, out_dtype)
 
 
-def check_groups(a: torch.Tensor, b, b_s, counts, what: str) -> list[int]:
+def check_groups(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, what: str) -> list[int]:
     """Validate a grouped GEMM's groups: ``counts`` [G] non-negative ints summing to a's rows, ``b`` / ``b_s``
-    G weights (a list, or a tensor stacked on dim 0). Returns counts as ints."""
+    G weights (a list, or a tensor stacked on dim 0); the operands' dtypes. Returns counts as ints."""
     counts = [int(n) for n in counts]
     G = len(b)
     if len(b_s) != G or len(counts) != G:
@@ -166,6 +166,8 @@ def check_groups(a: torch.Tensor, b, b_s, counts, what: str) -> list[int]:
     p = []
     if a.dtype != quant.FP8:
         p.append(f"a must be e4m3 (float8_e4m3fn) activations, got {a.dtype}")
+    if a_s.dtype not in (quant.E8M0, torch.float32):
+        p.append(f"a_s must be e8m0 (float8_e8m0fnu) or float32 scales, got {a_s.dtype}")
     bd = {b.dtype} if isinstance(b, torch.Tensor) else {w.dtype for w in b}
     sd = {b_s.dtype} if isinstance(b_s, torch.Tensor) else {sc.dtype for sc in b_s}
     if not bd <= {quant.FP4X2, torch.uint8}:
@@ -184,7 +186,7 @@ def fp4_gemm_grouped(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, scale_d
     consecutive groups of ``counts[g]`` rows, and group g is multiplied by weight g, ``fp4_gemm(a_g, a_s_g,
     b[g], b_s[g])``; ``b`` / ``b_s``: G packed e2m1 [N, K/2] weights and their e8m0 [N, K/32] scales, as lists
     or stacked [G, N, K/2] / [G, N, K/32]. Returns [S, N]; each row exactly as the per-group ``fp4_gemm``."""
-    counts = check_groups(a, b, b_s, counts, "fp4_gemm_grouped")
+    counts = check_groups(a, a_s, b, b_s, counts, "fp4_gemm_grouped")
     outs, start = [], 0
     for g, n in enumerate(counts):
         if n:

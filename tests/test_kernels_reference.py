@@ -274,6 +274,8 @@ def test_block_scaled_gemms_check_operand_dtypes():
         K.fp4_gemm_grouped(a, a_s, [w4, w4], [s4, s4.view(u8)], [1, 2], impl="torch")
     with pytest.raises(ValueError, match=r"fp4_gemm_grouped: b must be packed e2m1 .*float8_e4m3fn"):
         K.fp4_gemm_grouped(a, a_s, [w4, w8[:, :32]], [s4, s4], [1, 2], impl="torch")
+    with pytest.raises(ValueError, match=r"fp4_gemm_grouped: a_s must be e8m0 .*uint8"):
+        K.fp4_gemm_grouped(a, a_s.view(u8), [w4, w4], [s4, s4], [1, 2], impl="torch")
     # the accepted forms: fp32 scale values, packed fp4 as uint8 bytes
     c8 = K.fp8_gemm(a, a_s, w8, s8, impl="torch")
     assert torch.equal(K.fp8_gemm(a, Q.e8m0_to_float(a_s), w8, Q.e8m0_to_float(s8), impl="torch"), c8)
@@ -404,3 +406,27 @@ def test_tilelang_fp8_gemm_other_block_size_falls_back_under_auto(tilelang_wrapp
     assert torch.equal(K.fp8_gemm(a, a_s, w8, b_s, block_size=64, impl="auto"), ref)
     with pytest.raises(K.Unsupported, match="block_size 32 only"):
         K.fp8_gemm(a, a_s, w8, b_s, block_size=64, impl="tilelang")
+
+
+def test_tilelang_wrappers_name_the_op_and_refuse_what_their_kernels_do_not_cover(tilelang_wrappers):
+    """The TileLang wrappers' own pre-launch checks: the shared shape errors naming the op (they said "last dim 40
+    is not a multiple..." or divided by a zero block), hc_split_sinkhorn's shared operand check and a validated
+    ``bwd`` (a falsy one ran the default), and sparse_attn's ``block``: a block the kernels' recurrence does not
+    have is ``Unsupported`` (impl="auto" runs the torch op; it silently ran block 64)."""
+    tl = tilelang_wrappers
+    x = torch.randn(2, 40).bfloat16()
+    for fn, op in ((tl.act_quant, "act_quant"), (tl.fp4_act_quant, "fp4_act_quant")):
+        with pytest.raises(ValueError, match=rf"{op}: x's last dim 40 is not a multiple of block_size 32"):
+            fn(x, 32)
+        with pytest.raises(ValueError, match=rf"{op}: block_size must be a positive int, got 0"):
+            fn(x, 0)
+    mixes, scale, base = torch.randn(3, 24), torch.ones(3), torch.zeros(24)
+    with pytest.raises(ValueError, match=r"hc_split_sinkhorn: .*hc_base must be \[\(2 \+ hc_mult\) \* hc_mult = 24\]"):
+        tl.hc_split_sinkhorn(mixes, scale, base[:20], 4)
+    with pytest.raises(ValueError, match=r"hc_split_sinkhorn: bwd must be one of"):
+        tl.hc_split_sinkhorn(mixes, scale, base, 4, bwd="")
+    q, kv = torch.randn(1, 3, 64, 64).bfloat16(), torch.randn(1, 10, 64).bfloat16()
+    sink, idx = torch.zeros(64), torch.randint(0, 10, (1, 3, 16), dtype=torch.int32)
+    for block, heads in ((32, 64), (128, 16), (True, 64)):
+        with pytest.raises(K.Unsupported, match=r"sparse_attn \(tilelang\): block 64, or 128"):
+            tl.sparse_attn(q[..., :heads, :], kv, sink[:heads], idx, 0.125, block)

@@ -55,11 +55,10 @@ def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = "ue
               scale_dtype: torch.dtype = quant.E8M0):
     """Same contract as ``quant.act_quant`` for the release's call (bf16, ue8m0, e8m0 or fp32 scales);
     other configurations go to the torch implementation."""
+    quant._check_blocks("act_quant", x, block_size)
     if x.dtype != torch.bfloat16 or scale_fmt is None or scale_dtype not in (quant.E8M0, torch.float32):
         return quant.act_quant(x, block_size, scale_fmt, scale_dtype)
     N = x.shape[-1]
-    if N % block_size:
-        raise ValueError(f"last dim {N} is not a multiple of the {block_size}-wide block")
     G = N // block_size
     x3 = x.reshape(-1, G, block_size).contiguous()
     q, s = act_quant_kernel(G, block_size)(x3)

@@ -286,7 +286,7 @@ def fp4_gemm_grouped(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, scale_d
     are stacked first (a copy per call: run 28, 3.4-3.8 ms for 384 release experts). cfg goes to the kernel;
     without cfg, groups of ``BF16_MIN_M`` rows on average run one ``fp4_gemm`` each (its bf16 path) instead."""
     from functional_dsv41.kernels.reference import check_groups
-    counts = check_groups(a, b, b_s, counts, "fp4_gemm_grouped (tilelang)")
+    counts = check_groups(a, a_s, b, b_s, counts, "fp4_gemm_grouped (tilelang)")
     K = a.shape[-1]
     keep = [g for g, n in enumerate(counts) if n]
     S = a.shape[0]

@@ -92,11 +92,10 @@ def fp4_act_quant_kernel(bs: int, e8m0: bool, threads: int = 128):
 def fp4_act_quant(x: torch.Tensor, block_size: int = quant.BLOCK, scale_dtype: torch.dtype = quant.E8M0):
     """Same contract as ``quant.fp4_act_quant``: (packed uint8 [..., N/2], scales [..., N/bs]) with e8m0 or
     e4m3 scales. Inputs other than bf16 go to the torch implementation."""
+    quant._check_fp4_act("fp4_act_quant", x, block_size)
     if x.dtype != torch.bfloat16 or scale_dtype not in (quant.E8M0, quant.FP8) or block_size % 2:
         return quant.fp4_act_quant(x, block_size, scale_dtype)
     N = x.shape[-1]
-    if N % block_size:
-        raise ValueError(f"last dim {N} is not a multiple of the {block_size}-wide block")
     e8m0 = scale_dtype == quant.E8M0
     x2 = x.reshape(-1, block_size).contiguous()
     if x2.shape[0] == 0:

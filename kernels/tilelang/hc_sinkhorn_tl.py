@@ -416,12 +416,11 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     """Same contract as ``reference.hc_split_sinkhorn``: (pre [.., hc], post [.., hc], comb [.., hc, hc]) fp32.
 
     ``bwd``: "torch" (recompute in torch) or "tilelang" (backward kernel); None -> ``BWD_DEFAULT``."""
-    bwd = bwd or BWD_DEFAULT
+    from .. import reference
+    bwd = BWD_DEFAULT if bwd is None else bwd
     if bwd not in _BWD:
-        raise ValueError(f"bwd must be one of {list(_BWD)}, got {bwd!r}")
-    if mixes.shape[-1] != (2 + hc_mult) * hc_mult:
-        raise ValueError(f"mixes last dim {mixes.shape[-1]} != (2 + {hc_mult}) * {hc_mult}")
+        raise ValueError(f"hc_split_sinkhorn: bwd must be one of {list(_BWD)}, got {bwd!r}")
+    reference.check_hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult)
     if sinkhorn_iters < 1:
-        from .. import reference
         return reference.hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps)
     return _HcSplitSinkhorn.apply(mixes, hc_scale, hc_base, int(hc_mult), int(sinkhorn_iters), float(eps), bwd)

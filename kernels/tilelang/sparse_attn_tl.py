@@ -559,12 +559,15 @@ class _SparseAttn(torch.autograd.Function):
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, topk_idxs: torch.Tensor,
                 softmax_scale: float, block: int = 64) -> torch.Tensor:
-    """Same contract as ``reference.sparse_attn``; ``block`` 64 (the release's) or 128 (faster, see _fwd).
-    Raises ``Unsupported`` (impl="auto" then runs the torch reference) for non-bf16 q/kv or a head count
-    that is not a multiple of 16 (the tiles' M)."""
+    """Same contract as ``reference.sparse_attn``; ``block`` 64 (the release's) or 128 (faster, see _fwd; 64-head
+    multiples). Raises ``Unsupported`` (impl="auto" then runs the torch reference) for non-bf16 q/kv, a head count
+    that is not a multiple of 16 (the tiles' M), or another block (the kernels' recurrence is 64's or 128's)."""
     reference.check_sparse_attn(q, kv, attn_sink, topk_idxs)    # the torch op's shape checks, the same errors
     H = q.shape[-2]
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16 or H % 16 or (H > 64 and H % 64):
         raise Unsupported(f"sparse_attn (tilelang): bf16 q/kv with heads a multiple of 16 (<= 64) or of 64, "
                           f"got {q.dtype}/{kv.dtype} with {H} heads")
+    if isinstance(block, bool) or block not in (64, 128) or (block == 128 and H % 64):
+        raise Unsupported(f"sparse_attn (tilelang): block 64, or 128 with a multiple of 64 heads, got block "
+                          f"{block!r} with {H} heads")
     return _SparseAttn.apply(q, kv, attn_sink, topk_idxs, float(softmax_scale), int(block))[0]
