@@ -417,3 +417,29 @@ def test_out_that_cannot_be_created(tmp_path):
             assert str(e).startswith(f"--out {out}: "), e
         else:
             raise AssertionError("a run under /proc was not refused")
+
+
+def test_resume_from_a_truncated_array_file_prints_one_line_and_no_traceback(tmp_path):
+    """The newest checkpoint with one array file cut short (a full disk, a killed copy): `run.py --resume` named it
+    in one line, but around that line orbax's reads printed hundreds of 'RuntimeError: Event loop is closed'
+    tracebacks (train/checkpoint.py's docstring says why); now stderr is that line alone."""
+    import subprocess
+    import sys
+    out = tmp_path / "o"
+    assert run.train(_rc(out, steps=4, ckpt_every=2))["status"] == "ok"
+    state = out / "ckpt" / "4" / "state"
+    biggest = max((f for f in state.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as fh:
+        fh.truncate(10)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--config", "tiny", "--steps", "4", "--batch_size", "2", "--seq_len", "48", "--lr", "3e-3", "--warmup",
+            "2", "--ckpt_every", "2", "--keep_last", "3", "--out", str(out), "--export", "false", "--sample_tokens",
+            "0", "--progress", "off", "--resume"]
+    res = subprocess.run([sys.executable, "train/run.py", *args], cwd=repo, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"--resume: the newest checkpoint {out / 'ckpt' / '4'} cannot be "
+                                                   f"read (ValueError: ") and \
+        lines[0].endswith(f"it is damaged. Move it out of {out / 'ckpt'} to resume from the one before it (step 2)"), \
+        res.stderr[-3000:]

@@ -19,11 +19,21 @@ the last good checkpoint (tests/test_train_checkpoint.py kills a process inside 
 ``TrainCheckpointer`` on the folder (a resumed run) removes it before its first save.
 ``max_to_keep`` keeps the newest N. Steps must grow: ``save`` refuses a step that is already saved or older than
 the newest one (orbax would skip it without a word).
+
+A restore that fails (a damaged checkpoint) raises orbax's error and prints nothing else. Orbax reads every array
+concurrently on an event loop of its own and closes that loop as soon as the first read fails, while the other reads
+still run in tensorstore's threads; unless the loop is retired (``_quiet_failed_restore``), each of them reports
+``RuntimeError: Event loop is closed`` through ``sys.unraisablehook`` when it finishes, and the asyncio logger "Task
+exception was never retrieved" when its task is collected: hundreds of tracebacks, up to ~0.2 s after the error,
+interleaved with the caller's message (``train/run.py --resume`` on a checkpoint with one truncated array file).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -69,6 +79,67 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def _is_orphaned_read_report(u) -> bool:
+    """Whether a ``sys.unraisablehook`` report is a read that a failed restore left running: tensorstore, from one of
+    its own threads, calls ``call_soon_threadsafe`` of the (closed) loop that awaited it, and reports the error as
+    unraisable. The traceback starts in ``call_soon_threadsafe`` itself: no Python code called it."""
+    exc, tb = u.exc_value, u.exc_traceback
+    return (type(exc) is RuntimeError and str(exc) == "Event loop is closed" and u.object is None
+            and tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+            and isinstance(tb.tb_frame.f_locals.get("self"), asyncio.AbstractEventLoop))
+
+
+def _retire_closed_loops(exc: BaseException) -> None:
+    """Retire the closed event loops that the frames of ``exc``'s traceback (and of the exceptions it chains) hold:
+    orbax's, whose reads may still be running. Their late callbacks are dropped (``call_soon_threadsafe`` of a closed
+    loop could only raise) and their exception reports (the other failed reads' "Task exception was never
+    retrieved", logged when the task is collected, maybe long after) go nowhere: the caller has the first read's
+    error. The loop is orbax's own, made for this one restore and closed: nothing else calls it."""
+    def drop(*args, **kwargs):
+        return None
+
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+        tb = e.__traceback__
+        while tb is not None:
+            for v in list(tb.tb_frame.f_locals.values()):
+                if isinstance(v, asyncio.AbstractEventLoop) and v.is_closed():
+                    v.set_exception_handler(drop)
+                    try:
+                        v.call_soon_threadsafe = drop
+                    except (AttributeError, TypeError):       # a loop type without instance attributes (uvloop)
+                        pass
+            tb = tb.tb_next
+
+
+@contextlib.contextmanager
+def _quiet_failed_restore():
+    """Around an orbax restore: when it raises, retire the closed event loop whose reads are still running
+    (``_retire_closed_loops``) before the error leaves, so they finish silently. While it runs, unraisable reports of
+    exactly that kind (``_is_orphaned_read_report``: a read finishing between the loop's closing and its retiring)
+    are dropped; every other one goes to the previous ``sys.unraisablehook``, restored on the way out."""
+    prev = sys.unraisablehook
+
+    def hook(u):
+        if not _is_orphaned_read_report(u):
+            prev(u)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    except BaseException as e:
+        _retire_closed_loops(e)
+        raise
+    finally:
+        if sys.unraisablehook is hook:          # (replaced meanwhile by someone else: leave theirs)
+            sys.unraisablehook = prev
 
 
 class TrainCheckpointer:
@@ -149,10 +220,12 @@ class TrainCheckpointer:
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        template = {k: np.zeros(meta["shapes"][k], dtype=to_numpy(torch.zeros((), dtype=getattr(torch, d))).dtype)
-                    for k, d in meta["dtypes"].items()}
-        arrays = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))).state
+        with _quiet_failed_restore():           # a damaged checkpoint: orbax's error, without its reads' tracebacks
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            template = {k: np.zeros(meta["shapes"][k],
+                                    dtype=to_numpy(torch.zeros((), dtype=getattr(torch, d))).dtype)
+                        for k, d in meta["dtypes"].items()}
+            arrays = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))).state
         # reshape: np.ascontiguousarray makes a 0-dim array 1-dim
         t = {k: from_numpy(np.asarray(arrays[k]), d).reshape(meta["shapes"][k]) for k, d in meta["dtypes"].items()}
 
