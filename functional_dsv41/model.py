@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import engram as engram_mod
-from . import vision
+from . import transforms, vision
 from .attention import attention
 from .compressor import Chunk
 from .config import Config, require_config
@@ -33,7 +33,7 @@ from .invariant import linear_rows
 from .moe import moe
 from .norm import rms_norm
 from .pytree import _logical_shape, flatten_with_paths, register_carrier
-from .state import DecodeState, SharedAttention, begin_append, check_current, config_id, finish_append
+from .state import DecodeState, SharedAttention, begin_append, check_current, config_mismatch, finish_append
 
 
 @register_carrier
@@ -165,7 +165,9 @@ def _check_ids(batch: dict) -> None:
     if _not_int_tensor(ids):
         raise TypeError(f"forward: input_ids must be an integer tensor, got {ids.dtype}")
     if ids.dim() != 2:
-        raise ValueError(f"forward: input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
+        hint = (" (under torch.func.vmap an example's ids are [seq]: pass x[None])"
+                if ids.dim() == 1 and transforms.vmapped(ids) else "")
+        raise ValueError(f"forward: input_ids must be [batch, seq], got shape {tuple(ids.shape)}{hint}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"forward: empty input_ids of shape {tuple(ids.shape)}")
 
@@ -234,8 +236,8 @@ def _check_state_fits(batch: dict, cfg: Config, state: Optional[DecodeState]) ->
     if state.pos + s > state.max_seq_len:
         raise ValueError(f"forward: chunk of {s} tokens at position {state.pos} runs past max_seq_len "
                          f"{state.max_seq_len}")
-    if state.config_id != config_id(cfg):
-        raise ValueError("forward: the state was built for another config")
+    if (why := config_mismatch(state.config_id, cfg)) is not None:
+        raise ValueError(f"forward: {why}")
     if state.batch_size != b:
         raise ValueError(f"forward: the state holds {state.batch_size} rows, the batch has {b}")
     if "positions" in batch:
@@ -292,11 +294,25 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     ``fd.clone_state(state)`` (one copy of the buffers) and grow one future from each copy.
     Under reverse-mode autograd (the new rows or the state's history require grad) the history is copied rather
     than appended in place, so that gradients reach the rows earlier chunks wrote.
+
+    Under torch.func (tests/test_func.py): ``grad``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd`` and ``jvp(grad)`` run
+    with the defaults. ``vmap`` (``vmap(grad)`` too) runs over examples (``x[None]`` each: input_ids [1, s], with
+    token_types, unbatched positions), over stacked param trees or any subset of their leaves (in_dims None for
+    the rest), over image patches, or several of these, in every mode, with qdq, return_hidden, aux and debug;
+    pass ``validate=False`` when an input is batched and ``dispatch="dense"`` when anything that reaches the MoE
+    routers is (a head-only ensemble runs with the defaults). Under vmap every op runs the torch reference
+    (``impl="auto"`` / None: functorch refuses the TileLang ops' autograd.Functions there). Refused by name:
+    ``impl="tilelang"``, batched ``positions``, token rows batched together with images, and a DecodeState with
+    anything reaching the routers batched (its histories are appended in place); ``block_wrapper=
+    train.step.remat`` has no vmap rule (torch refuses it). A vmapped image batch is not bit-identical to the
+    loop: the ViT's bf16 linears round differently under vmap.
     """
     require_config(cfg, "forward")
     _check_state(state)
     _check_batch(batch)
     _check_ids(batch)
+    if transforms.under_vmap():
+        impl = transforms.check_vmap(params, batch, cfg, state, validate=validate, dispatch=dispatch, impl=impl)
     if validate:
         _check_inputs(params, batch, cfg, state)
     _check_state_fits(batch, cfg, state)

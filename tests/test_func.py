@@ -1,10 +1,16 @@
 """torch.func over the whole model: grad of the param tree, per-example vmap(grad), jvp vs finite differences."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import grad, jvp, vmap
 
 import functional_dsv41 as fd
+from functional_dsv41 import transforms
 from functional_dsv41.pytree import flatten_with_paths, unflatten_from_paths
+
+# vmap with a batched input or trunk param needs torch >= 2.13 (forward refuses it by name on 2.11-2.12)
+needs_vmap_view_dtype = pytest.mark.skipif(not transforms.VMAP_VIEW_DTYPE, reason=(
+    f"torch {torch.__version__} has no vmap rule for Tensor.view(dtype) (pytorch#180727, fixed in 2.13)"))
 
 
 def tiny_model(seed=0, **overrides):
@@ -47,6 +53,7 @@ def test_grad_of_whole_param_tree():
     assert not any(k.startswith("mtp.") for k in nonzero)
 
 
+@needs_vmap_view_dtype
 def test_vmap_per_example_grad_equals_loop():
     cfg, params = tiny_model(seed=1)
     train, frozen = split(params, torch.float32)
@@ -173,6 +180,7 @@ def test_grad_through_a_decode_state_equals_the_stateless_grad():
     assert (g[k] - g_full[k]).norm() <= 0.02 * g_full[k].norm(), ((g[k] - g_full[k]).norm(), g_full[k].norm())
 
 
+@needs_vmap_view_dtype
 def test_vmap_can_return_the_forward_output():
     """vmap over forward may return the ForwardOutput itself: its unset fields (state, aux, ...) are no pytree
     leaves for torch either (a torch None leaf made vmap refuse the output: "must only return Tensors")."""
@@ -224,6 +232,7 @@ def test_grad_in_reference_mode_over_fp8_weights_says_to_use_dequant():
         loss(train, "reference")
 
 
+@needs_vmap_view_dtype
 def test_vmap_over_an_ensemble_of_qat_masters():
     """vmap over stacked QAT master trees in mode "qat" failed: the fake quantiser's weight finite check (a host
     sync per QAT linear per step, too) is data-dependent control flow under vmap (a helper's probe)."""
@@ -245,3 +254,103 @@ def test_vmap_over_an_ensemble_of_qat_masters():
     batched = vmap(loss, in_dims=(0, None))(stacked, ids)
     for i in range(2):
         torch.testing.assert_close(batched[i], loss({k: v[i] for k, v in stacked.items()}, ids), atol=1e-5, rtol=1e-5)
+
+
+def _vmap_refused(name):
+    """(a call under vmap, the exception, its message) of a vmap setup forward refuses by name. Each failed deep
+    inside torch before ("calling .item()", "Cannot access data pointer of Tensor that doesn't have storage",
+    "inplace arithmetic ... vmapped over", "TileLang cannot run here"; a helper's probe); forward's docstring
+    lists what runs."""
+    cfg, params = tiny_model(seed=10)
+    ids = torch.randint(0, cfg.vocab_size, (3, 10), generator=torch.Generator().manual_seed(10))
+    dense = dict(dispatch="dense", validate=False)
+
+    def per_row(extra=lambda i: {}, **kw):              # vmap over the rows of ids, each run as a batch of one
+        return lambda: vmap(lambda x, i: fd.forward(params, {"input_ids": x[None], **extra(i)}, cfg=cfg,
+                                                    mode="dequant", **kw).logits)(ids, torch.arange(3))
+
+    leaf = "layers.0.attn.wq_a.weight"
+    w = flatten_with_paths(params)[leaf]
+
+    def stacked_leaf():
+        return vmap(lambda w: fd.forward(unflatten_from_paths({**flatten_with_paths(params), leaf: w}),
+                                         {"input_ids": ids[:1]}, cfg=cfg, mode="dequant").logits)(torch.stack([w, w]))
+
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]] * 3)
+
+    def image_rows():                                   # rows holding one image span each, the rows vmapped
+        from functional_dsv41.image_processor import expand_image_tokens
+        vcfg, vparams = tiny_model(seed=10, vision_n_layers=1)
+        vids, types = expand_image_tokens([5, vcfg.image_token_id, 7], [(2, 2)], vcfg)
+        image = (torch.zeros(4, 3, vcfg.vision_patch_size, vcfg.vision_patch_size, dtype=torch.bfloat16), (2, 2))
+        batch = {"token_types": types[None], "images": [[image]]}
+        return vmap(lambda x: fd.forward(vparams, {"input_ids": x[None], **batch}, cfg=vcfg, **dense).logits)(
+            torch.stack([vids, vids]))
+
+    return {
+        "examples, defaults": (per_row(), ValueError,
+                               r"with input_ids batched: pass validate=False \(.*\) and dispatch='dense'"),
+        "examples, sorted dispatch": (per_row(validate=False), ValueError,
+                                      r"with input_ids batched: pass dispatch='dense' \(dispatch='sorted'"),
+        "stacked leaf, sorted dispatch": (stacked_leaf, ValueError, rf"with params {leaf} batched: pass dispatch="),
+        "1-D ids": (lambda: vmap(lambda x: fd.forward(params, {"input_ids": x}, cfg=cfg, **dense))(ids), ValueError,
+                    r"got shape \(10,\) \(under torch.func.vmap an example's ids are \[seq\]: pass x\[None\]\)"),
+        "packed positions": (per_row(lambda i: {"positions": pos[i][None]}, **dense), NotImplementedError,
+                             r"packed 'positions' batched by torch.func.vmap are not supported"),
+        "decode state": (per_row(state=fd.init_state(cfg, 1, 32), **dense), NotImplementedError,
+                         r"a DecodeState cannot be used under torch.func.vmap with input_ids batched"),
+        "impl tilelang": (per_row(impl="tilelang", **dense), ValueError,
+                          r"impl='tilelang' cannot run under torch.func.vmap"),
+        "images, batched rows": (image_rows, NotImplementedError,
+                                 r"a batch with images cannot have input_ids batched by torch.func.vmap"),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["examples, defaults", "examples, sorted dispatch", "stacked leaf, sorted dispatch",
+                                  "1-D ids", "packed positions", "decode state", "impl tilelang",
+                                  "images, batched rows"])
+def test_unsupported_vmap_setups_are_refused_by_name(name):
+    call, exc, match = _vmap_refused(name)
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_vmap_over_a_head_ensemble_runs_with_the_defaults(monkeypatch):
+    """Leaves read only after the last MoE router (the head here) may be vmapped with the sorted dispatch and the
+    input checks on: forward's vmap refusals must not take them (nothing batched reaches a router). Every kernel
+    op runs the torch reference under vmap: on a GPU impl="auto" picked the TileLang ops, whose autograd.Functions
+    functorch refuses under vmap even on unbatched tensors ("You tried to vmap over _HcSplitSinkhorn", H200)."""
+    from functional_dsv41 import kernels as K
+    cfg, params = tiny_model(seed=11)
+    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(11))
+    heads = torch.stack([params["head"]["weight"], params["head"]["weight"].flip(0)])
+
+    def one(w):
+        return fd.forward({**params, "head": {"weight": w}}, {"input_ids": ids}, cfg=cfg, mode="dequant",
+                          impl="auto").logits
+
+    impls, resolve = [], K.resolve
+    monkeypatch.setattr(K, "resolve", lambda name, impl=None, **kw: impls.append(impl) or resolve(name, impl, **kw))
+    out = vmap(one)(heads)
+    assert impls and set(impls) == {"torch"}, set(impls)
+    monkeypatch.setattr(K, "resolve", resolve)
+    for i in range(2):
+        torch.testing.assert_close(out[i], one(heads[i]), atol=1e-5, rtol=1e-5)
+
+
+def test_vmap_on_a_torch_without_the_view_dtype_rule_is_refused_by_name(monkeypatch):
+    """torch 2.11-2.12 (the GPU machine's) fail every vmap with a batched input or trunk param deep inside the
+    quantisation ("Batching rule not implemented for aten::view.dtype"): forward names the torch version instead,
+    after the setup's own fixes; a vmap that reaches no router (a head ensemble) still runs."""
+    monkeypatch.setattr(transforms, "VMAP_VIEW_DTYPE", False)
+    cfg, params = tiny_model(seed=12)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(12))
+    with pytest.raises(NotImplementedError, match=r"input_ids batched needs torch >= 2.13: .*pytorch#180727"):
+        vmap(lambda x: fd.forward(params, {"input_ids": x[None]}, cfg=cfg, mode="dequant", dispatch="dense",
+                                  validate=False).logits)(ids)
+    with pytest.raises(ValueError, match=r"pass validate=False"):       # the setup's own fix is named first
+        vmap(lambda x: fd.forward(params, {"input_ids": x[None]}, cfg=cfg, dispatch="dense").logits)(ids)
+    heads = torch.stack([params["head"]["weight"]] * 2)
+    out = vmap(lambda w: fd.forward({**params, "head": {"weight": w}}, {"input_ids": ids[:1]}, cfg=cfg,
+                                    mode="dequant").logits)(heads)
+    assert out.shape[0] == 2 and torch.equal(out[0], out[1])
