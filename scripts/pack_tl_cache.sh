@@ -9,7 +9,12 @@ SRC=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 CAP_MB=${CAP_MB:-20}
 mkdir -p .tl/fixtures
 FIX=${DSV41_FIXTURES:-../shared/fixtures}
-for f in kernels tiny-bf16 tiny-fp8; do [ -d "$FIX/$f" ] && cp -r "$FIX/$f" .tl/fixtures/; done
+# (their README.md files stay behind: no test reads them, and a call's 64 MiB has no room to spare)
+for f in kernels tiny-bf16 tiny-fp8; do
+  [ -d "$FIX/$f" ] || continue
+  rm -rf ".tl/fixtures/$f" && mkdir -p ".tl/fixtures/$f"
+  find "$FIX/$f" -maxdepth 1 -type f ! -name README.md -exec cp {} ".tl/fixtures/$f/" \;
+done
 rm -f .tl/tlcache.tar.xz
 # cuda-binaries/ is TileLang's nvcc-output cache, read only when a kernel is compiled; the kernels themselves
 # (linux-x86_64/kernels/*/executable.so) load without it, so it stays here (it was a third of the archive)
