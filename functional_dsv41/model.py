@@ -240,6 +240,10 @@ def _check_state_fits(batch: dict, cfg: Config, state: Optional[DecodeState]) ->
         raise ValueError(f"forward: {why}")
     if state.batch_size != b:
         raise ValueError(f"forward: the state holds {state.batch_size} rows, the batch has {b}")
+    sdev = state.layers[0].window_kv.device if state.layers else ids.device
+    if sdev != ids.device:
+        raise ValueError(f"forward: the state is on {sdev} but input_ids are on {ids.device}: build it with "
+                         f"fd.init_state(cfg, ..., device={str(ids.device)!r}) (forward computes on input_ids' device)")
     if "positions" in batch:
         raise ValueError("forward: packed 'positions' are for stateless (training) calls only")
 

@@ -235,3 +235,13 @@ def test_rollback_refuses_mismatched_inputs(model):
         spec.rollback(params, before, before, ids[:, 6:8], cfg=cfg)
     st, _ = spec.rollback(params, before, after, ids[:, 6:8], cfg=cfg)       # the right call still works
     assert st.pos == 8
+
+
+def test_forward_refuses_a_state_on_another_device(model):
+    """A state built on another device than input_ids failed inside torch ("Expected all tensors to be on the
+    same device", a review helper's GPU probe); forward names both devices (host-side: no device work)."""
+    cfg, params = model
+    st = init_state(cfg, 1, 16, device="meta")
+    with pytest.raises(ValueError, match=r"forward: the state is on meta but input_ids are on cpu: build it with "
+                                         r"fd.init_state\(cfg, \.\.\., device='cpu'\)"):
+        fd.forward(params, {"input_ids": torch.tensor([[0, 5, 6]])}, cfg=cfg, state=st, validate=False)
