@@ -46,7 +46,9 @@ def main() -> None:
     mode = a.mode or ("qat" if rc.qat else rc.mode)
     fkw = S.remat_forward_kwargs(fd.forward) if a.remat else None
     step = S.make_step(cfg, frozen=fr, dtypes=S.compute_dtypes(cfg, tr), forward=fd.forward, coefs=rc.coefs,
-                       mode=mode, pad_id=2, forward_kwargs=fkw)
+                       mode=mode, pad_id=2, forward_kwargs=fkw,     # as train/run.py builds it (the draft loss too)
+                       draft_forward=run._draft_forward() if rc.loss_draft > 0 else None,
+                       draft_anchor_stride=rc.draft_anchor_stride)
     it = D.PackedData(list(D.shipped_samples(CORPUS_TXT, TOKENIZER_JSON)), row_len=a.seq, batch_size=a.batch,
                       pad_id=2)
     opt = optim.adamw_init(tr)
