@@ -6,7 +6,9 @@ size of a layer, RoPE base and YaRN of a layer).
 
 The config is static: pass it by keyword (``cfg=cfg``), never inside params. Every field defaults to
 the released value, so ``Config()`` is DeepSeek-V4.1-Flash; ``Config.flash()`` says so explicitly and
-``Config.tiny()`` is the small model of the test fixtures.
+``Config.tiny()`` is the small model of the test fixtures. Reading a file is strict: ``from_json`` /
+``from_dict`` need every key except the five of :data:`OPTIONAL_KEYS` (a key left out of a tiny model's
+config.json would otherwise take the release's value and silently compute another model).
 
 Layer ids: backbone blocks are ``0 .. n_layers-1``; DSpark draft stages are ``n_layers .. n_layers +
 n_mtp_layers - 1`` (checkpoint namespace ``mtp.{s}``).
@@ -18,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -29,6 +32,37 @@ _FP4_BLOCK = 32  # fp4 experts: 1x32 blocks
 
 class ConfigError(ValueError):
     """A config that would make the model fail or silently compute something else."""
+
+
+# SPEC §0: the only ModelArgs keys the release's inference config.json leaves out (the reference's defaults
+# apply: gate_temp 1.0, norm_topk_prob True, temperature set by generate.py, batch / sequence limits). Every
+# other field, the vision_* ones included (the release ships its vision tower; a text-only config writes
+# vision_n_layers = 0 with the other vision keys still present, as the fixtures and to_dict do), must be in
+# a config.json that from_json / from_dict reads.
+OPTIONAL_KEYS = frozenset({"gate_temp", "norm_topk_prob", "temperature", "max_batch_size", "max_seq_len"})
+
+# keys that only the Hugging Face top-level config.json has (SPEC §0); seen in a file, it is the wrong one
+_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "moe_intermediate_size", "num_experts_per_tok", "architectures", "model_type", "rope_scaling",
+            "quantization_config", "vision_config")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json ``object_pairs_hook``: a key written twice (json keeps the last silently) is refused."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"duplicate key {k!r} (json would keep the last of its values silently)")
+        out[k] = v
+    return out
+
+
+def _short_repr(v: Any) -> str:
+    """repr for error messages: a 400-digit JSON integer is named by its length, not printed."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10 ** 30:
+        return f"an integer of {len(str(abs(v)))} digits"
+    r = repr(v)
+    return r if len(r) <= 120 else r[:117] + "..."
 
 
 def _release_ratios() -> tuple[int, ...]:
@@ -175,20 +209,59 @@ class Config:
         return cls(**base)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+    def from_dict(cls, d: Mapping[str, Any]) -> "Config":
+        """A Config from the keys of an inference ``config.json`` (a dict as ``json.load`` gives it).
+
+        Every field must be present except the five of :data:`OPTIONAL_KEYS` (SPEC §0: absent from the
+        release's config.json, the reference's defaults apply). Raises TypeError for something that is not a
+        dict of string keys (a path: use :meth:`from_json`), ConfigError naming the unknown, missing or
+        invalid key(s), and for the Hugging Face top-level config.json (other key names).
+        """
+        if isinstance(d, (str, bytes, os.PathLike)):
+            raise TypeError(f"Config.from_dict: got a path {d!r}, not a dict; read a config.json file with "
+                            f"Config.from_json(path)")
+        if not isinstance(d, Mapping):
+            raise TypeError(f"Config.from_dict: expected a dict of config.json keys, got {type(d).__name__} "
+                            f"(a config.json file: Config.from_json(path))")
+        not_str = [k for k in d if not isinstance(k, str)]
+        if not_str:
+            raise TypeError(f"Config.from_dict: keys must be config.json key names (strings), got "
+                            f"{', '.join(_short_repr(k) for k in not_str[:5])}")
+        hf = [k for k in _HF_KEYS if k in d]
+        if hf:
+            raise ConfigError(f"this is the Hugging Face config.json (it has {', '.join(hf[:4])}); Config reads "
+                              f"the inference config.json (the release's inference/config.json: keys dim, "
+                              f"n_layers, n_heads, ...)")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(fields))
         if unknown:
             raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        missing = [k for k in fields if k not in d and k not in OPTIONAL_KEYS]
+        if missing:
+            raise ConfigError(f"missing config key(s): {', '.join(missing)} (only "
+                              f"{', '.join(sorted(OPTIONAL_KEYS))} may be left out, SPEC §0; the others would "
+                              f"silently take the release's values)")
         return cls(**d)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "Config":
-        """Read an inference-style ``config.json`` (the reference's ``ModelArgs`` keys)."""
+        """Read an inference-style ``config.json`` (the reference's ``ModelArgs`` keys; :meth:`from_dict` says
+        which may be absent). FileNotFoundError / IsADirectoryError name the path (a checkpoint folder: pass
+        ``folder/config.json``); ConfigError for a file that is not a JSON object, has a key twice, or is not
+        a valid config."""
+        if isinstance(path, Mapping):
+            raise TypeError("Config.from_json: got a dict, not a path; use Config.from_dict(d)")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"Config.from_json: {path} is a folder; pass the config.json inside it "
+                                    f"({os.path.join(path, 'config.json')})")
         try:
-            with open(path) as fh:
-                d = json.load(fh)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:   # not text (a .safetensors passed by mistake)
+            with open(path, encoding="utf-8") as fh:
+                d = json.load(fh, object_pairs_hook=_unique_keys)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Config.from_json: {path} does not exist") from None
+        except ConfigError as e:                                   # a duplicate key
+            raise ConfigError(f"{path}: {e}") from None
+        except ValueError as e:   # not JSON, not text (a .safetensors passed by mistake), a > 4300-digit integer
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
@@ -227,8 +300,14 @@ class Config:
             elif t in ("float", "Optional[float]"):
                 if t == "Optional[float]" and v is None:
                     continue
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                    bad(f.name, f"expected a finite number{' or null' if t != 'float' else ''}, got {v!r}")
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                try:
+                    ok = ok and math.isfinite(v)
+                except OverflowError:                   # a huge JSON integer: no float holds it
+                    ok = False
+                if not ok:
+                    bad(f.name, f"expected a finite number{' or null' if t != 'float' else ''}, "
+                                f"got {_short_repr(v)}")
             elif t == "bool":
                 if not isinstance(v, bool):
                     bad(f.name, f"expected true/false, got {v!r}")
@@ -367,6 +446,12 @@ class Config:
             bad("engram_max_ngram_size", f"must be >= 2, got {self.engram_max_ngram_size}")
         if self.engram_layer_ids and self.engram_head_dim % 32:
             bad("engram_head_dim", f"{self.engram_head_dim} is not a multiple of the 32-column table scale block")
+        if self.engram_layer_ids and not 1 <= self.engram_compressed_vocab_size <= self.vocab_size:
+            # SPEC §6.1/§6.3: the number of classes the token map folds the vocabulary into (asserted), and
+            # the multiplier bound divides int64_max by it
+            bad("engram_compressed_vocab_size", f"must be in [1, vocab_size {self.vocab_size}] (the classes the "
+                                                f"engram token map folds the vocabulary into), got "
+                                                f"{self.engram_compressed_vocab_size}")
 
         # DSpark
         if self.n_mtp_layers:
@@ -381,6 +466,11 @@ class Config:
         if self.vision_n_layers:
             if self.vision_dim % self.vision_n_heads:
                 bad("vision_n_heads", f"vision_dim {self.vision_dim} not divisible by {self.vision_n_heads}")
+            hd = self.vision_dim // self.vision_n_heads
+            if hd % 4:      # SPEC §12: rotate-half over two halves of hd/2 angles = hd/4 row + hd/4 column freqs
+                bad("vision_n_heads", f"vision head dim vision_dim / vision_n_heads = {self.vision_dim} / "
+                                      f"{self.vision_n_heads} = {hd} is not a multiple of 4 (the 2D RoPE splits "
+                                      f"each head into halves of hd/2 angles, half of them per axis)")
 
     @staticmethod
     def _last_at_or_before(layers: tuple[int, ...], L: int) -> Optional[int]:

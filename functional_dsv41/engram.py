@@ -210,7 +210,11 @@ def hash_ids(input_ids: torch.Tensor, *, cfg, token_map: torch.Tensor,
     ``(XOR_{s<n} tok_s * mult[e][s]) mod primes[e][n-2][h] + offsets[e][(n-2)*H + h]``, all int64
     (products < 2^63 by the multiplier bound, XOR of non-negatives stays non-negative).
     ``check=False`` skips the value checks (they synchronise with the device).
+    Raises ValueError for a config without Engram layers (``forward`` skips the hashing then).
     """
+    if not cfg.engram_layer_ids:
+        raise ValueError("hash_ids: the config has no Engram layers (engram_layer_ids is empty), so there are no "
+                         "row ids to hash; forward skips hash_ids for such a config")
     if input_ids.ndim != 2:
         raise ValueError(f"hash_ids: input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     B, S = input_ids.shape

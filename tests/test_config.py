@@ -258,6 +258,114 @@ def test_unknown_keys_and_bad_json(tmp_path):
         Config.from_json(tmp_path / "short.json")
 
 
+# ----------------------------------------------------------------------------- reading config.json strictly
+def _write(tmp_path, d, name="config.json"):
+    (tmp_path / name).write_text(json.dumps(d))
+    return tmp_path / name
+
+
+def test_missing_keys_are_refused_not_filled_with_release_values(tmp_path):
+    """A key left out of a tiny config.json took the release's value (swiglu_limit 10.0 for the fixture's 2.0:
+    other logits, no error); {} gave the whole release config."""
+    full = json.loads((fixture_dir("tiny-bf16") / "config.json").read_text())
+    d = dict(full)
+    del d["swiglu_limit"], d["route_scale"]
+    with pytest.raises(ConfigError, match=r"config.json: missing config key\(s\): route_scale, swiglu_limit"):
+        Config.from_json(_write(tmp_path, d))
+    with pytest.raises(ConfigError, match="missing config key.*vocab_size") as e:
+        Config.from_dict({})
+    missing = str(e.value).split("missing config key(s): ")[1].split(" (")[0].split(", ")
+    assert set(missing) == {f.name for f in dataclasses.fields(Config)} - set(fd.config.OPTIONAL_KEYS)
+    assert "vision_dim" in missing and "dtype" in missing and "temperature" not in missing
+
+
+def test_only_the_five_runtime_keys_may_be_absent(tmp_path):
+    """SPEC §0: gate_temp, norm_topk_prob, temperature, max_batch_size, max_seq_len are not in the release's
+    config.json; they take the reference's defaults."""
+    assert fd.config.OPTIONAL_KEYS == {"gate_temp", "norm_topk_prob", "temperature", "max_batch_size",
+                                       "max_seq_len"}
+    d = Config.flash().to_dict()
+    for k in fd.config.OPTIONAL_KEYS:
+        del d[k]
+    assert Config.from_json(_write(tmp_path, d)) == Config.flash()     # the release's inference config.json
+
+
+@pytest.mark.parametrize("name", ["tiny-bf16", "tiny-fp8", "tiny-vl"])
+def test_every_fixture_config_and_to_json_output_loads(tmp_path, name):
+    cfg = Config.from_json(fixture_dir(name) / "config.json")
+    cfg.to_json(tmp_path / "c.json")                                     # what train/run.py's export writes
+    assert Config.from_json(tmp_path / "c.json") == cfg
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    text = json.dumps(Config.tiny().to_dict())[:-1] + ', "dim": 256}'    # json kept the last value silently
+    (tmp_path / "dup.json").write_text(text)
+    with pytest.raises(ConfigError, match="dup.json: duplicate key 'dim'"):
+        Config.from_json(tmp_path / "dup.json")
+
+
+def test_huge_integer_in_a_float_field(tmp_path):
+    """int too large for a float: an OverflowError escaped from math.isfinite."""
+    d = Config.tiny().to_dict()
+    d["rope_theta"] = int("9" * 400)
+    with pytest.raises(ConfigError, match="rope_theta: expected a finite number, got an integer of 400 digits"):
+        Config.from_dict(d)
+    with pytest.raises(ConfigError, match="c.json: rope_theta"):
+        Config.from_json(_write(tmp_path, d, "c.json"))
+    text = json.dumps(Config.tiny().to_dict())[:-1] + ', "hc_eps": ' + "9" * 5000 + "}"   # past int_max_str_digits
+    assert text.count('"hc_eps": 1e-06, ') == 1
+    text = text.replace('"hc_eps": 1e-06, ', "")
+    (tmp_path / "big.json").write_text(text)
+    with pytest.raises(ConfigError, match="big.json: not valid JSON"):
+        Config.from_json(tmp_path / "big.json")
+
+
+@pytest.mark.parametrize("arg,match", [
+    (None, "expected a dict of config.json keys, got NoneType"),
+    ("config.json", "got a path 'config.json'.*Config.from_json"),
+    (fixture_dir("tiny-bf16") / "config.json", "got a path .*Config.from_json"),
+    ([("dim", 128)], "expected a dict of config.json keys, got list"),
+    ({1: 2}, r"keys must be config.json key names \(strings\), got 1"),
+])
+def test_from_dict_needs_a_dict_of_str_keys(arg, match):
+    """A path gave "unknown config key(s): ., c, f, ..."; None / a list / int keys gave bare TypeErrors."""
+    with pytest.raises(TypeError, match=match):
+        Config.from_dict(arg)
+
+
+def test_from_json_names_the_path_and_the_right_file(tmp_path):
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path} is a folder; pass the config.json inside it"):
+        Config.from_json(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
+        Config.from_json(tmp_path / "nope.json")
+    hf = {"architectures": ["DeepseekV41ForCausalLM"], "hidden_size": 5120, "num_hidden_layers": 40,
+          "num_attention_heads": 64, "vocab_size": 129280, "rms_norm_eps": 1e-20}
+    with pytest.raises(ConfigError, match=r"hf.json: this is the Hugging Face config.json \(it has hidden_size, "
+                                          r"num_hidden_layers.*inference/config.json"):
+        Config.from_json(_write(tmp_path, hf, "hf.json"))
+    with pytest.raises(TypeError, match="Config.from_dict"):
+        Config.from_json(Config.tiny().to_dict())
+
+
+def test_vision_head_dim_must_be_a_multiple_of_4():
+    """SPEC §12 2D RoPE: head dim 6 (24 / 4) was accepted and vit() failed with a shape mismatch."""
+    with pytest.raises(ConfigError, match=r"vision_n_heads: vision head dim vision_dim / vision_n_heads = "
+                                          r"24 / 4 = 6 is not a multiple of 4"):
+        Config.tiny(vision_n_layers=1, vision_dim=24, vision_n_heads=4)
+    Config.tiny(vision_n_layers=0, vision_dim=24, vision_n_heads=4)      # vision off: not used
+    Config.tiny(vision_n_layers=1, vision_dim=32, vision_n_heads=4)      # head dim 8
+
+
+@pytest.mark.parametrize("v", [0, -5, 513])
+def test_engram_compressed_vocab_size_range(v):
+    """0 divided int64_max in the multiplier bound (ZeroDivisionError later); -5 was accepted."""
+    with pytest.raises(ConfigError, match=rf"engram_compressed_vocab_size: must be in \[1, vocab_size 512\]"
+                                          rf".*got {v}"):
+        Config.tiny(engram_compressed_vocab_size=v)
+    Config.tiny(engram_compressed_vocab_size=512)
+    Config.tiny(engram_layer_ids=(), engram_num_embeddings=(), engram_compressed_vocab_size=0)   # Engram off
+
+
 def test_frozen_and_replace():
     c = Config.tiny()
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -245,6 +245,14 @@ def test_hash_bad_input_is_clear():
         engram.hash_ids(g["input_ids"][:, :5], cfg=cfg, token_map=big)
 
 
+def test_hash_without_engram_layers_names_the_cause():
+    """A config with no Engram layers failed inside torch.stack ("stack expects a non-empty TensorList")."""
+    cfg, tmap, g, _ = tiny("tiny-bf16")
+    none = cfg.replace(engram_layer_ids=(), engram_num_embeddings=())
+    with pytest.raises(ValueError, match="no Engram layers.*engram_layer_ids is empty"):
+        engram.hash_ids(g["input_ids"][:, :3], cfg=none, token_map=tmap)
+
+
 def test_ngram_cache_is_a_pytree():
     cfg = tiny("tiny-bf16")[0]
     c = engram.init_ngram_cache(cfg, 3)
