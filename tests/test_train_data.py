@@ -100,6 +100,16 @@ def test_a_corpus_line_is_one_sample_whatever_unicode_separators_it_holds(tmp_pa
         "Once upon a time\u2028there was a cat.", "The dog\x0cran away.", "End"]
 
 
+def test_a_byte_order_mark_is_not_text_of_the_first_sample(tmp_path):
+    """A corpus saved with a UTF-8 BOM (Windows editors) put U+FEFF's bytes at the start of its first sample."""
+    p = tmp_path / "c.txt"
+    p.write_bytes("\ufeffOnce upon a time\nThe end\n".encode("utf-8"))
+    plain = tmp_path / "d.txt"
+    plain.write_bytes("Once upon a time\nThe end\n".encode("utf-8"))
+    got, want = D.load_samples(str(p), T.TOKENIZER_JSON), D.load_samples(str(plain), T.TOKENIZER_JSON)
+    assert [s.tolist() for s in got] == [s.tolist() for s in want]
+
+
 def _added_tokens(path=T.TOKENIZER_JSON):
     import json
     with open(path, encoding="utf-8") as fh:

@@ -144,3 +144,18 @@ def test_per_token_ce_any_number_of_leading_dims():
         torch.testing.assert_close(got.sum() / n, L.cross_entropy(logits, labels), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"per_token_ce: logits \(2, 4, 11\) must be labels' shape \(4, 2\)"):
         L.per_token_ce(torch.zeros(2, 4, 11), torch.zeros(4, 2, dtype=torch.long))
+
+
+def test_indexer_kl_averages_over_the_layers_that_count_a_token():
+    """A layer whose query tokens all have no valid slot (or are masked) added 0 to the mean over layers and
+    halved the others' (a review helper's probe); it is left out of the mean."""
+    from functional_dsv41.train import loss as L
+    g = torch.Generator().manual_seed(0)
+    t, st = torch.rand(1, 3, 4, generator=g), torch.randn(1, 3, 4, generator=g)
+    one = {2: {"teacher": t, "student": st}}
+    none_valid = {"teacher": t, "student": st, "valid": torch.zeros(1, 3, 4, dtype=torch.bool)}
+    alone = L.indexer_kl(one)
+    assert alone > 0
+    torch.testing.assert_close(L.indexer_kl({**one, 5: none_valid}), alone)
+    torch.testing.assert_close(L.indexer_kl({**one, 7: {"teacher": t, "student": st}}), alone)
+    assert L.indexer_kl({5: none_valid}) == 0

@@ -41,7 +41,7 @@ def load_samples(corpus: str, tokenizer_json: str, bos: int = 0, eos: int = 1) -
     target) or an end of sample inside the row."""
     from .tokenizer import corpus_tokenizer
     tok = corpus_tokenizer(tokenizer_json)
-    with open(corpus, encoding="utf-8") as fh:
+    with open(corpus, encoding="utf-8-sig") as fh:      # -sig: a BOM at the start is not text of the first sample
         # iterate, not str.splitlines(): that also splits at U+2028/2029, U+0085, \f, \v and \x1c-\x1e, which web
         # text carries inside a line; a line ends at \n, \r\n or \r only (universal newlines)
         lines = [ln.rstrip("\n") for ln in fh]

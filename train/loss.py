@@ -66,7 +66,8 @@ def per_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_kl(aux_indexer: Mapping, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """KL(teacher ‖ softmax(student)) averaged over layers (module docstring).
+    """KL(teacher ‖ softmax(student)) averaged over layers (module docstring): the layers with at least one
+    counted query token (a layer without any adds nothing and does not dilute the mean; no host sync).
 
     ``aux_indexer``: {layer: {"teacher": [b, s, k] or [b, s, h, k], "student": [b, s, k], optional
     "valid": [b, s, k] bool}}. Slots with a non-finite student score or ``valid == False`` are excluded.
@@ -74,7 +75,7 @@ def indexer_kl(aux_indexer: Mapping, token_mask: Optional[torch.Tensor] = None) 
     """
     if not aux_indexer:
         raise ValueError("indexer_kl: the forward returned no indexer aux (no index-source layers?)")
-    per_layer = []
+    per_layer, counted = [], []
     for layer, d in sorted(aux_indexer.items()):
         t, st = d["teacher"].detach().float(), d["student"].float()
         if t.dim() == st.dim() + 1:
@@ -93,7 +94,8 @@ def indexer_kl(aux_indexer: Mapping, token_mask: Optional[torch.Tensor] = None) 
             rows &= token_mask
         n = rows.sum()
         per_layer.append(torch.where(rows, kl_tok, torch.zeros_like(kl_tok)).sum() / n.clamp_min(1))
-    return torch.stack(per_layer).mean()
+        counted.append(n > 0)
+    return torch.stack(per_layer).sum() / torch.stack(counted).sum().clamp_min(1)
 
 
 def _accepts(fn: Callable, name: str) -> bool:
