@@ -302,9 +302,13 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
     arithmetic and the outputs, whatever the inputs' dtype: fp64 inputs do not make it an fp64 op).
 
     comb = softmax over the last dim + eps, column-normalise, then (iters-1) x (row, column) normalise.
-    mixes [..., (2+hc)*hc], hc_scale [3] (pre, post, comb), hc_base [(2+hc)*hc]; others: ValueError.
+    mixes [..., (2+hc)*hc], hc_scale [3] (pre, post, comb), hc_base [(2+hc)*hc]; others: ValueError, as is
+    ``sinkhorn_iters`` < 1 (SPEC §2's loop runs at least the first column normalisation: 0 would mean 1).
     """
     check_hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult)
+    if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, numbers.Integral) or sinkhorn_iters < 1:
+        raise ValueError(f"hc_split_sinkhorn: sinkhorn_iters must be an int >= 1 (the config's hc_sinkhorn_iters, "
+                         f"20 in the release), got {sinkhorn_iters!r}")
     hc = hc_mult
     mixes, hc_scale, hc_base = mixes.float(), hc_scale.float(), hc_base.float()   # fp32 arithmetic, whatever comes in
     pre = invariant.sigmoid(mixes[..., :hc] * hc_scale[0] + hc_base[:hc]) + eps

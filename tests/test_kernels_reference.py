@@ -430,3 +430,13 @@ def test_tilelang_wrappers_name_the_op_and_refuse_what_their_kernels_do_not_cove
     for block, heads in ((32, 64), (128, 16), (True, 64)):
         with pytest.raises(K.Unsupported, match=r"sparse_attn \(tilelang\): block 64, or 128"):
             tl.sparse_attn(q[..., :heads, :], kv, sink[:heads], idx, 0.125, block)
+
+
+@pytest.mark.parametrize("iters", [0, -1, 2.5, True])
+def test_hc_split_sinkhorn_needs_at_least_one_iteration(iters):
+    """sinkhorn_iters=0 ran as 1 (the first column normalisation is outside the loop): refused, as other
+    non-positive or non-int counts."""
+    m, s, b = torch.randn(2, 24), torch.rand(3), torch.randn(24)
+    with pytest.raises(ValueError, match=r"hc_split_sinkhorn: sinkhorn_iters must be an int >= 1"):
+        K.hc_split_sinkhorn(m, s, b, 4, iters, impl="torch")
+    K.hc_split_sinkhorn(m, s, b, 4, 1, impl="torch")
