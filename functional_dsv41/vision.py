@@ -259,6 +259,10 @@ def merge_image_embeddings(params: dict, h: torch.Tensor, batch: dict, *, cfg: C
                     patches.shape[1:] != (3, cfg.vision_patch_size, cfg.vision_patch_size):
                 raise ValueError(f"forward: row {r}: patches {tuple(patches.shape)} do not match grid {grid} "
                                  f"([{grid[0] * grid[1]}, 3, {cfg.vision_patch_size}, {cfg.vision_patch_size}])")
+            if not patches.is_floating_point():
+                raise ValueError(f"forward: row {r}: patches are {patches.dtype}; they are normalised floats "
+                                 f"((pixel/255 - 0.5)/0.5, bf16, SPEC §12): pass the image through "
+                                 f"image_processor.load_image, not raw pixel values")
             if bool((ids[r, a:e + 1] != cfg.image_token_id).any()):
                 raise ValueError(f"forward: row {r}: image span {a}..{e} holds ids other than image_token_id "
                                  f"{cfg.image_token_id}")

@@ -315,6 +315,15 @@ def test_images_without_vision_params_are_refused_before_encoding(monkeypatch):
     fd.forward(text_only, dict(b, images=[None, None], token_types=torch.full_like(b["token_types"], -1)), cfg=cfg)
 
 
+def test_integer_patches_are_refused():
+    """uint8 patches (raw pixels, 0..255) were cast to bf16 and encoded as if normalised: named instead."""
+    cfg, params, g = setup()
+    b = vl_batch(g, int(g["prefill_len"]))
+    raw = [[(p.to(torch.uint8), grid) for p, grid in row] if row else row for row in b["images"]]
+    with pytest.raises(ValueError, match=r"patches are torch.uint8; they are normalised floats .*load_image"):
+        fd.forward(params, dict(b, images=raw), cfg=cfg)
+
+
 def test_expand_image_tokens_wants_grids_not_load_image_pairs():
     """load_image's (patches, grid) pairs given as grids failed with torch's "only one element tensors can
     be converted to Python scalars"; now a ValueError saying grids[i] must be the grid (the pair's second
