@@ -14,7 +14,7 @@ sampling uses a seeded ``torch.Generator`` on the tokens' device. Outputs exclud
 BEFORE ``eos_id`` (as the reference does); ``result.stats`` says why each row stopped.
 
     .venv/bin/python -m functional_dsv41.generate --ckpt DIR --prompt TEXT [--max-new-tokens N]
-        [--temperature T] [--top-p P] [--speculative] [--seed S] [--image FILE ...] [--no-bos]
+        [--temperature T] [--top-p P] [--speculative] [--seed S] [--image FILE]... [--no-bos]
         [--chat chat|thinking [--reasoning-effort E]]
 
 ``--prompt`` is raw text (a completion, BOS first unless ``--no-bos``); ``--chat MODE`` makes it one user message
