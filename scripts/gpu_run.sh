@@ -9,17 +9,20 @@ set -u
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 SECONDS COMMAND [COMMAND ...]" >&2; exit 2; }
 limit=$1; shift
-case $limit in ''|*[!0-9]*) echo "gpu_run.sh: SECONDS must be a whole number, got '$limit'" >&2; exit 2;; esac
+case $limit in ''|*[!0-9]*|0) echo "gpu_run.sh: SECONDS must be a whole number >= 1, got '$limit' (timeout 0 would mean no limit)" >&2; exit 2;; esac
 source scripts/gpu_env.sh >/dev/null || { echo "gpu_run.sh: the GPU environment is not set up (above); nothing run" >&2; exit 1; }
 export PYTHONUNBUFFERED=1
 log=${OUT:+$OUT/gpu_run.log}
-summary=()
+summary=(); failed=0
 for cmd in "$@"; do
   echo "== $(date -u +%H:%M:%S) $cmd" | tee -a ${log:-/dev/null}
   start=$(date +%s)
   timeout "$limit" bash -c "$cmd" 2>&1 | grep --line-buffered -v "TileLang:tilelang" | tee -a ${log:-/dev/null}
   rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
   summary+=("rc=$rc $(( $(date +%s) - start ))s  $cmd")
 done
 echo "== summary" | tee -a ${log:-/dev/null}
 printf '%s\n' "${summary[@]}" | tee -a ${log:-/dev/null}
+# the call's own status says whether every command passed (each one's is in the summary above)
+[ "$failed" -eq 0 ] || { echo "gpu_run.sh: $failed of $# command(s) failed" | tee -a ${log:-/dev/null}; exit 1; }

@@ -15,10 +15,17 @@ for f in kernels tiny-bf16 tiny-fp8; do
   rm -rf ".tl/fixtures/$f" && mkdir -p ".tl/fixtures/$f"
   find "$FIX/$f" -maxdepth 1 -type f ! -name README.md -exec cp {} ".tl/fixtures/$f/" \;
 done
-rm -f .tl/tlcache.tar.xz
+# a missing or empty cache would replace a good archive with one that breaks gpu_env.sh: refuse, keep the old one
+if ! find "$SRC" -name executable.so -print -quit 2>/dev/null | grep -q .; then
+  echo "pack_tl_cache.sh: no compiled kernels in $SRC (set TILELANG_CACHE_DIR, or compile with" \
+       "scripts/precompile_kernels.py first); .tl/tlcache.tar.xz left as it was" >&2
+  exit 1
+fi
 # cuda-binaries/ is TileLang's nvcc-output cache, read only when a kernel is compiled; the kernels themselves
 # (linux-x86_64/kernels/*/executable.so) load without it, so it stays here (it was a third of the archive)
-XZ_OPT="-6 -T0" tar cJf .tl/tlcache.tar.xz -C "$SRC" --exclude='*/cuda-binaries' .
+XZ_OPT="-6 -T0" tar cJf .tl/tlcache.tar.xz.tmp -C "$SRC" --exclude='*/cuda-binaries' . \
+  || { rm -f .tl/tlcache.tar.xz.tmp; echo "pack_tl_cache.sh: tar failed; .tl/tlcache.tar.xz left as it was" >&2; exit 1; }
+mv .tl/tlcache.tar.xz.tmp .tl/tlcache.tar.xz
 ls -la .tl/tlcache.tar.xz
 size=$(( $(stat -c %s .tl/tlcache.tar.xz) / 1048576 ))
 if [ "$size" -gt "$CAP_MB" ]; then echo "tlcache is ${size} MiB > ${CAP_MB} MiB: prune $SRC" >&2; exit 1; fi

@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 pat=${1:-.}
 newest=${2:-0}
 CACHE=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
-TL=$(.venv/bin/python -c "import tilelang.env as e; print(e.TILELANG_TEMPLATE_PATH, e.CUTLASS_INCLUDE_DIR)" 2>/dev/null)
+case ${1:-} in -h|--help) sed -n 2,9p "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+TL=$(.venv/bin/python -c "import tilelang.env as e; print(e.TILELANG_TEMPLATE_PATH, e.CUTLASS_INCLUDE_DIR)" \
+     2>/dev/null) || { echo "ptxas_report.sh: tilelang is not importable by .venv/bin/python;" \
+                            "source scripts/local_tilelang_env.sh first" >&2; exit 1; }
 read -r TPL CUT <<<"$TL"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 files=$(ls -t "$CACHE"/*/linux-x86_64/kernels/*/device_kernel.cu)
