@@ -19,12 +19,23 @@ import functional_dsv41 as fd
 from functional_dsv41.state import init_state, state_bytes
 
 
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=positive_int, default=2)
+    ap.add_argument("--prompt", type=positive_int, default=32)
+    ap.add_argument("--new", type=positive_int, default=32)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--peaked", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

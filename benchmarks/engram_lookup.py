@@ -34,6 +34,17 @@ import torch
 from functional_dsv41 import engram, quant
 
 
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def proc_status(*keys):
     out = {}
     with open("/proc/self/status") as f:
@@ -95,14 +106,18 @@ def drop_page_cache(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=20_000_000)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--ids", type=int, default=24, help="row ids per token (3 orders x 8 heads)")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--decode-steps", type=int, default=200)
+    ap.add_argument("--rows", type=positive_int, default=20_000_000)
+    ap.add_argument("--dim", type=positive_int, default=256)
+    ap.add_argument("--tokens", type=positive_int, default=4096)
+    ap.add_argument("--ids", type=positive_int, default=24, help="row ids per token (3 orders x 8 heads)")
+    ap.add_argument("--iters", type=positive_int, default=5)
+    ap.add_argument("--decode-steps", type=positive_int, default=200)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     a = ap.parse_args()
+    if a.dim % quant.BLOCK:
+        ap.error(f"argument --dim: must be a multiple of {quant.BLOCK} (one e8m0 scale per {quant.BLOCK}), got {a.dim}")
+    if not os.path.isdir(a.dir):
+        ap.error(f"argument --dir: {a.dir!r} is not a directory")
 
     rows, dim = a.rows, a.dim
     row_bytes = dim + dim // quant.BLOCK

@@ -22,6 +22,25 @@ import torch  # noqa: E402
 import functional_dsv41 as fd  # noqa: E402
 
 
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def int_list(s: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1."""
+    try:
+        return [positive_int(x) for x in s.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{s!r}: {e}") from None
+
+
 def indexer_share(params, ids, cfg, mode) -> float:
     """Share of the forward spent in the indexer's all-pairs work (scores, candidate blocks, top-k)."""
     import cProfile
@@ -39,15 +58,17 @@ def indexer_share(params, ids, cfg, mode) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--lengths", type=int_list, default="64,128,256,512,1024,2048,4096")
+    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--repeat", type=positive_int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--mode", default="reference", choices=["reference", "dequant"])
     args = ap.parse_args(argv)
+    if args.threads < 0:
+        ap.error(f"argument --threads: must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     cfg = fd.Config.tiny(max_seq_len=max(lengths), index_topk=16, window_size=16, candidate_topk_blocks=8)
     params = fd.init_params(cfg, seed=0)
     params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size

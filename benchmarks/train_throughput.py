@@ -24,17 +24,29 @@ import functional_dsv41 as fd
 from functional_dsv41.train import data as D
 from functional_dsv41.train import optim, run
 from functional_dsv41.train import step as S
+from functional_dsv41.linear import MODES
 from functional_dsv41.train.tokenizer import CORPUS_TXT, TOKENIZER_JSON
+
+
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny", choices=sorted(run.PRESETS))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--mode", default=None, help="linear() mode (default: the preset's: dequant, or qat)")
+    ap.add_argument("--batch", type=positive_int, default=8)
+    ap.add_argument("--seq", type=positive_int, default=128)
+    ap.add_argument("--steps", type=positive_int, default=8)
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--mode", default=None, choices=MODES, help="linear() mode (default: the preset's: dequant, or qat)")
     ap.add_argument("--remat", action="store_true", help="per-block activation checkpointing (needs the hook)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

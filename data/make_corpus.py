@@ -12,6 +12,17 @@ import argparse
 import os
 import random
 
+
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
 NAMES = ["Tom", "Lily", "Ben", "Mia", "Sam", "Anna", "Max", "Lucy", "Leo", "Emma", "Jack", "Rosa",
          "Finn", "Nora", "Omar", "Zoe", "Hugo", "Ivy", "Kai", "Ella"]
 ANIMALS = ["cat", "dog", "bird", "frog", "rabbit", "duck", "fox", "bear", "mouse", "owl", "horse",
@@ -111,7 +122,7 @@ def _short(r: random.Random) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stories", type=int, default=4000)
+    ap.add_argument("--stories", type=positive_int, default=4000)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus.txt"))
     a = ap.parse_args(argv)

@@ -270,12 +270,27 @@ SECTIONS = {
 }
 
 
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--m", type=int, default=4096, help="queries / GEMM rows (release prefill 4096)")
+    p.add_argument("--m", type=positive_int, default=4096, help="queries / GEMM rows (release prefill 4096)")
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ",".join(SECTIONS))
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
+    parts = args.only.split(",")
+    unknown = [s for s in parts if s not in SECTIONS]
+    if unknown:
+        p.error(f"argument --only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
@@ -295,11 +310,7 @@ def main(argv=None):
     except Exception as e:  # pragma: no cover
         print(f"tilelang unavailable: {e}")
     print(f"{'kernel':<48s} {'ms':>9s} {'TFLOP/s':>9s} {'GB/s':>9s}")
-    results = []
-    parts = args.only.split(",")
-    unknown = [p for p in parts if p not in SECTIONS]
-    if unknown:
-        raise SystemExit(f"--only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    results, failed = [], []
     for part in parts:
         try:
             SECTIONS[part](results, args)
@@ -307,10 +318,13 @@ def main(argv=None):
             import traceback
             traceback.print_exc()
             print(f"!! {part} failed: {type(e).__name__}: {e}", flush=True)
+            failed.append(part)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if failed:
+        raise SystemExit(f"kernels.bench: {len(failed)} section(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

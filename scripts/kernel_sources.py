@@ -17,6 +17,7 @@ forward kernel and its options at the release shape, plus the D = 256 and 16-hea
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -109,6 +110,9 @@ def compare(a: str, b: str) -> int:
         else:
             print(f"{n}: same")
     print(f"{len(names) - bad} of {len(names)} the same")
+    if not names:
+        print(f"nothing to compare: {a} and {b} are both empty", file=sys.stderr)
+        return 1
     return 1 if bad else 0
 
 
@@ -123,8 +127,14 @@ def main() -> None:
     c.add_argument("b")
     args = ap.parse_args()
     if args.cmd == "dump":
+        if importlib.util.find_spec("tilelang") is None:
+            raise SystemExit("kernel_sources.py dump: tilelang is not importable; "
+                             "source scripts/local_tilelang_env.sh first")
         dump(args.out, args.cases)
     else:
+        for d in (args.a, args.b):
+            if not os.path.isdir(d):
+                c.error(f"{d!r} is not a directory")
         sys.exit(compare(args.a, args.b))
 
 

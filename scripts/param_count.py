@@ -2,13 +2,21 @@
 
     .venv/bin/python scripts/param_count.py [config.json]
 """
+import argparse
+import os
 import sys
 
 import functional_dsv41 as fd
 
 
-def main(argv):
-    cfg = fd.Config.from_json(argv[1]) if len(argv) > 1 else fd.Config.flash()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default=None,
+                    help="a config JSON file (Config.from_json); default: the release, Config.flash()")
+    a = ap.parse_args(argv)
+    if a.config is not None and not os.path.isfile(a.config):
+        ap.error(f"argument config: no such file: {a.config!r}")
+    cfg = fd.Config.from_json(a.config) if a.config is not None else fd.Config.flash()
     r = fd.param_count_report(cfg)
     print(r.table())
     backbone = sum(r[g] for g in ("attention", "MoE routed", "MoE shared+router", "mHC", "norms", "Engram other"))
@@ -16,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main(sys.argv[1:])

@@ -1,0 +1,108 @@
+"""The benchmark / helper scripts' command lines on bad arguments: an argparse-style one-line error (rc 2), or
+the documented nonzero rc with a one-line message, never a traceback; each case exits before any heavy work."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTHERE = "/nonexistent/dsv41_cli_args"
+
+
+def _run(cmd, timeout=120):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)             # no local TileLang on the path: the checks below run without it
+    return subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _check(r, rc, name):
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert r.returncode == rc, (r.returncode, r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines, r.stdout
+    last = lines[-1]
+    if rc == 2:                             # argparse: usage lines, then one "prog: error: ..." line
+        assert ": error: " in last, r.stderr
+    else:
+        assert len(lines) == 1, r.stderr
+    assert name in last, r.stderr
+
+
+BAD = [
+    # (script or -m module, args, rc, text the message names)
+    ("benchmarks/decode.py", ["--batch", "0"], 2, "--batch"),
+    ("benchmarks/decode.py", ["--new", "-1"], 2, "--new"),
+    ("benchmarks/decode.py", ["--threads", "0"], 2, "--threads"),
+    ("benchmarks/forward.py", ["--lengths", "0"], 2, "--lengths"),
+    ("benchmarks/forward.py", ["--lengths", "abc"], 2, "--lengths"),
+    ("benchmarks/forward.py", ["--repeat", "0"], 2, "--repeat"),
+    ("benchmarks/forward.py", ["--threads", "-1"], 2, "--threads"),
+    ("benchmarks/engram_lookup.py", ["--rows", "0"], 2, "--rows"),
+    ("benchmarks/engram_lookup.py", ["--iters", "0"], 2, "--iters"),
+    ("benchmarks/engram_lookup.py", ["--decode-steps", "0"], 2, "--decode-steps"),
+    ("benchmarks/engram_lookup.py", ["--dim", "-4"], 2, "--dim"),
+    ("benchmarks/engram_lookup.py", ["--dim", "40"], 2, "--dim"),
+    ("benchmarks/engram_lookup.py", ["--dir", NOTHERE], 2, "--dir"),
+    ("benchmarks/train_throughput.py", ["--steps", "0"], 2, "--steps"),
+    ("benchmarks/train_throughput.py", ["--mode", "bogus"], 2, "--mode"),
+    ("-m functional_dsv41.kernels.bench", ["--m", "0"], 2, "--m"),
+    ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
+    ("scripts/param_count.py", ["a.json", "extra"], 2, "unrecognized arguments: extra"),
+    ("scripts/param_count.py", [NOTHERE + ".json"], 2, NOTHERE),
+    ("scripts/kernel_sources.py", ["compare", NOTHERE + "_a", NOTHERE + "_b"], 2, NOTHERE),
+    ("data/make_corpus.py", ["--stories", "-5", "--out", NOTHERE + ".txt"], 2, "--stories"),
+]
+
+
+@pytest.mark.parametrize("script, args, rc, name", BAD, ids=[f"{s.split('/')[-1]} {' '.join(a)}" for s, a, _, _ in BAD])
+def test_bad_argument(script, args, rc, name):
+    _check(_run([*script.split(), *args]), rc, name)
+
+
+def test_param_count_help():
+    r = _run(["scripts/param_count.py", "--help"])
+    assert r.returncode == 0 and "usage:" in r.stdout and "Traceback" not in r.stderr, r.stderr
+
+
+def test_kernel_sources_compare_empty(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _check(_run(["scripts/kernel_sources.py", "compare", str(a), str(b)]), 1, "nothing to compare")
+
+
+def test_kernel_sources_dump_without_tilelang(tmp_path):
+    if importlib.util.find_spec("tilelang") is not None:
+        pytest.skip("tilelang importable here: dump would lower the kernels")
+    _check(_run(["scripts/kernel_sources.py", "dump", str(tmp_path / "out")]), 1, "tilelang")
+    assert not (tmp_path / "out").exists()
+
+
+def test_kernels_bench_failed_section_exits_1(monkeypatch, capsys, tmp_path):
+    """A section that raises is reported and the run continues, but main() exits 1 naming it."""
+    import torch
+    from functional_dsv41.kernels import bench
+
+    def boom(results, args):
+        raise RuntimeError("boom")
+
+    def ok(results, args):
+        results.append({"name": "ok"})
+
+    monkeypatch.setitem(bench.SECTIONS, "boom", boom)
+    monkeypatch.setitem(bench.SECTIONS, "ok", ok)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "rows.json"
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--only", "boom,ok", "--json", str(out)])
+    assert isinstance(e.value.code, str) and e.value.code.endswith("1 section(s) failed: boom")  # exit status 1
+    assert "!! boom failed: RuntimeError: boom" in capsys.readouterr().out
+    assert out.exists()                     # the rows of the sections that ran are still written
+    bench.main(["--only", "ok"])            # no failure: returns normally (exit 0)
