@@ -443,3 +443,23 @@ def test_resume_from_a_truncated_array_file_prints_one_line_and_no_traceback(tmp
                                                    f"read (ValueError: ") and \
         lines[0].endswith(f"it is damaged. Move it out of {out / 'ckpt'} to resume from the one before it (step 2)"), \
         res.stderr[-3000:]
+
+
+def test_resume_of_a_record_without_corpus_encoding(tmp_path):
+    """Since 2026-12-05 corpus text quoting a special token is tokenized as text (it was the control id). A
+    checkpoint recorded before (no corpus_encoding) resumes where that changes no id (a corpus quoting no special
+    token: the shipped one) and is refused, naming the field, where it would read other ids."""
+    plain = _small_corpus(tmp_path / "plain.txt")
+    quoting = _small_corpus(tmp_path / "quoting.txt", first_line="It ended. <｜end▁of▁sentence｜> Then more.")
+    for corpus, ok in ((plain, True), (quoting, False)):
+        rc = _rc(tmp_path / "run", corpus=corpus)
+        cfg = run.model_config(rc)
+        rec = resume.run_record(rc, cfg, 4)
+        assert rec["run"]["corpus_encoding"] == resume.CORPUS_ENCODING
+        assert resume.check_resume(rc, cfg, {"step": 2, "extra": rec}) == 4
+        old = {**rec, "run": {k: v for k, v in rec["run"].items() if k != "corpus_encoding"}}
+        if ok:
+            assert resume.check_resume(rc, cfg, {"step": 2, "extra": old}) == 4
+        else:
+            with pytest.raises(SystemExit, match=r"corpus_encoding None -> 2"):
+                resume.check_resume(rc, cfg, {"step": 2, "extra": old})

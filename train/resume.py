@@ -1,7 +1,8 @@
 """What a training checkpoint records about its run, and what ``train/run.py --resume`` checks against it.
 
 Every checkpoint's ``extra`` holds ``run_record``: the model config and the settings that decide the data order
-or the optimisation (``RESUME_FIXED``, the corpus and tokenizer contents, the length of the lr schedule); a
+or the optimisation (``RESUME_FIXED``, the corpus and tokenizer contents and how the corpus is tokenized
+(``CORPUS_ENCODING``), the length of the lr schedule); a
 resume whose record differs is refused up front, naming what changed (``check_resume``). The run's
 ``metrics.jsonl`` is carried across resumes by ``trim_metrics`` (the lines up to the checkpoint's step) and
 rewritten, like the run's record files, through ``functional_dsv41.config.write_atomic``.
@@ -26,6 +27,20 @@ RESUME_FIXED = ("batch_size", "seq_len", "seed", "lr", "min_lr_ratio", "warmup",
                 "clip", "loss_ce", "loss_draft", "draft_anchor_stride", "loss_indexer_kl", "frozen")
 
 
+# How load_samples turns corpus text into ids, beyond the corpus and tokenizer bytes: 2 = special-token text in
+# a line is tokenized as text (before 2026-12-05 it became the control id). Records without it are version 1,
+# which matches 2 exactly on a corpus that quotes no special token.
+CORPUS_ENCODING = 2
+
+
+def _quotes_special_tokens(corpus: str, tokenizer: str) -> bool:
+    with open(tokenizer, encoding="utf-8") as fh:
+        specials = [t["content"] for t in json.load(fh).get("added_tokens", []) if t.get("special", True)]
+    with open(corpus, encoding="utf-8-sig") as fh:
+        text = fh.read()
+    return any(sp and sp in text for sp in specials)
+
+
 def _sha256(path: str) -> str:
     with open(path, "rb") as fh:
         return hashlib.sha256(fh.read()).hexdigest()
@@ -36,7 +51,8 @@ def run_record(rc: RunConfig, cfg: fd.Config, schedule_steps: int) -> dict:
     as JSON values (the form they come back from a checkpoint in, so the two compare equal)."""
     run = {k: getattr(rc, k) for k in RESUME_FIXED}
     run.update(forward_mode="qat" if rc.qat else rc.mode, schedule_steps=schedule_steps,
-               corpus_sha256=_sha256(rc.corpus), tokenizer_sha256=_sha256(rc.tokenizer))
+               corpus_sha256=_sha256(rc.corpus), tokenizer_sha256=_sha256(rc.tokenizer),
+               corpus_encoding=CORPUS_ENCODING)
     return json.loads(json.dumps({"model": cfg.to_dict(), "run": run}))
 
 
@@ -62,6 +78,8 @@ def check_resume(rc: RunConfig, cfg: fd.Config, restored: dict) -> int:
         raise SystemExit(f"--resume: {where} records no run settings (saved by an older run.py), so it cannot be "
                          f"checked against this run; start afresh with --overwrite or another --out")
     schedule_steps = int(saved["run"]["schedule_steps"])
+    if "corpus_encoding" not in saved["run"] and not _quotes_special_tokens(rc.corpus, rc.tokenizer):
+        saved = {**saved, "run": {**saved["run"], "corpus_encoding": CORPUS_ENCODING}}   # the same ids either way
     diff = record_diff(saved, run_record(rc, cfg, schedule_steps))
     if diff:
         raise SystemExit(f"--resume: {where} was trained with other settings ({'; '.join(diff[:8])}"
