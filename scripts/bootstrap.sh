@@ -22,7 +22,10 @@ if [ ! -x .venv/bin/python ] || ! py_ok .venv/bin/python; then
     py_ok .venv/bin/python || { echo "bootstrap.sh: $PY -m venv made a .venv without pip (install python3-venv)" >&2; exit 1; }
 fi
 stamp=.venv/.dsv41-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+installed() {   # the package imports from outside the checkout (a manual pip uninstall leaves the stamp behind)
+    (cd / && "$OLDPWD/.venv/bin/python" -c "import functional_dsv41.train" >/dev/null 2>&1)
+}
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! installed; then
     .venv/bin/python -m pip install -q --upgrade pip
     # is there a local wheel for this Python (--no-index: find-links only)? else say that PyPI's build is coming
     if ! .venv/bin/python -m pip install -q --dry-run --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
