@@ -39,6 +39,7 @@ def _tensors(x):
 
 
 def under_vmap() -> bool:
+    """Whether a ``torch.func.vmap`` is active (one functorch query outside any transform)."""
     ft = torch._C._functorch
     if ft.maybe_current_level() is None:                    # no torch.func transform at all: the common case
         return False
@@ -52,14 +53,14 @@ _IMAGE_PARAMS = ("vision.", "aligner.", "image_start", "image_end", "image_newli
 
 
 def check_vmap(params: dict, batch: dict, cfg: Config, state, *, validate: bool, dispatch: str,
-                impl: str | None) -> str:
+               impl: str | None) -> str:
     """Under ``torch.func.vmap`` (forward calls it only there), refuse by name the setups forward cannot run
     (forward's docstring, "Under torch.func"), which failed deep inside torch ("calling .item()", "Cannot access
     data pointer of Tensor that doesn't have storage", "inplace arithmetic ... vmapped over", "You tried to vmap
     over _HcSplitSinkhorn"); returns the kernel impl to run: "torch" (functorch refuses the TileLang ops'
     autograd.Functions under vmap, batched or not, so impl="auto" cannot fall back op by op). Host-only."""
     from . import kernels
-    chosen = impl or kernels.default_impl()
+    chosen = kernels.default_impl() if impl is None else impl
     if chosen not in kernels.IMPLS:
         return impl                     # the kernels' dispatcher names it
     if chosen == "tilelang":
