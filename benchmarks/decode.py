@@ -16,18 +16,8 @@ import time
 import torch
 
 import functional_dsv41 as fd
+from functional_dsv41.kernels._bench_common import positive_int
 from functional_dsv41.state import init_state, state_bytes
-
-
-def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def main():

@@ -32,17 +32,7 @@ import numpy as np
 import torch
 
 from functional_dsv41 import engram, quant
-
-
-def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from functional_dsv41.kernels._bench_common import positive_int
 
 
 def proc_status(*keys):

@@ -21,22 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import functional_dsv41 as fd
+from functional_dsv41.kernels._bench_common import positive_int
 from functional_dsv41.train import data as D
 from functional_dsv41.train import optim, run
 from functional_dsv41.train import step as S
 from functional_dsv41.linear import MODES
 from functional_dsv41.train.tokenizer import CORPUS_TXT, TOKENIZER_JSON
-
-
-def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def main() -> None:

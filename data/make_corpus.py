@@ -14,7 +14,8 @@ import random
 
 
 def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1."""
+    """argparse type: an integer >= 1 (functional_dsv41.kernels._bench_common has the benchmarks' one; this
+    script stays stdlib-only, so that any Python 3.10+ regenerates the corpus without the package)."""
     try:
         v = int(s)
     except ValueError:

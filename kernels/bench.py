@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from ._bench_common import bench, row
+from ._bench_common import bench, positive_int, row
 from .bench_attn import attention_bwd, attention_cl, attention_diag, attention_fwd, attention_trace
 from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
                          gemm_wide, gemm_wrapper, gemms)
@@ -268,17 +268,6 @@ SECTIONS = {
     "hc": hc_sinkhorn,
     "indexer": indexer,
 }
-
-
-def positive_int(s: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def main(argv=None):
