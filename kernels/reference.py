@@ -67,16 +67,20 @@ def _check_int(name: str, v, multiple_of: int = 1, note: str = "") -> str | None
 def _check_gemm_dtypes(p: list, a, a_s, b, b_s, b_dtypes: tuple, b_what: str) -> None:
     """The block-scaled GEMMs' operand dtypes: a e4m3, b ``b_dtypes``, scales e8m0 or fp32 VALUES. uint8 scales
     are refused rather than read: the TileLang path's scale expansion (``_gemm.scales_f32``) takes every non-e8m0
-    scale as values, so e8m0 bytes must come as e8m0 (``.view(torch.float8_e8m0fnu)``) to mean the same to both."""
+    scale as values, so e8m0 bytes must come as e8m0 (``.view(torch.float8_e8m0fnu)``) to mean the same to both.
+    ``b`` / ``b_s``: a tensor, or the grouped GEMM's list of them (every one is checked)."""
+    def bad(ts, ok):            # the dtypes of ts (a tensor or a list) outside ok, as text; None if none
+        got = sorted(map(str, {t.dtype for t in ([ts] if isinstance(ts, torch.Tensor) else ts)} - set(ok)))
+        return None if not got else (got[0] if len(got) == 1 else str(got))
+
     if a.dtype != quant.FP8:
         p.append(f"a must be e4m3 (float8_e4m3fn) activations, got {a.dtype}")
-    if b.dtype not in b_dtypes:
-        p.append(f"b must be {b_what}, got {b.dtype}")
+    if (got := bad(b, b_dtypes)) is not None:
+        p.append(f"b must be {b_what}, got {got}")
     for name, sc in (("a_s", a_s), ("b_s", b_s)):
-        if sc.dtype not in (quant.E8M0, torch.float32):
-            hint = (f" (e8m0 exponent bytes: pass {name}.view(torch.float8_e8m0fnu))" if sc.dtype == torch.uint8
-                    else "")
-            p.append(f"{name} must be e8m0 (float8_e8m0fnu) or float32 scales, got {sc.dtype}{hint}")
+        if (got := bad(sc, (quant.E8M0, torch.float32))) is not None:
+            hint = f" (e8m0 exponent bytes: pass {name}.view(torch.float8_e8m0fnu))" if "uint8" in got else ""
+            p.append(f"{name} must be e8m0 (float8_e8m0fnu) or float32 scales, got {got}{hint}")
 
 
 def check_fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
@@ -164,16 +168,8 @@ def check_groups(a: torch.Tensor, a_s: torch.Tensor, b, b_s, counts, what: str) 
     if len(b_s) != G or len(counts) != G:
         raise ValueError(f"{what}: {G} weights, {len(b_s)} scales and {len(counts)} counts; they must agree")
     p = []
-    if a.dtype != quant.FP8:
-        p.append(f"a must be e4m3 (float8_e4m3fn) activations, got {a.dtype}")
-    if a_s.dtype not in (quant.E8M0, torch.float32):
-        p.append(f"a_s must be e8m0 (float8_e8m0fnu) or float32 scales, got {a_s.dtype}")
-    bd = {b.dtype} if isinstance(b, torch.Tensor) else {w.dtype for w in b}
-    sd = {b_s.dtype} if isinstance(b_s, torch.Tensor) else {sc.dtype for sc in b_s}
-    if not bd <= {quant.FP4X2, torch.uint8}:
-        p.append(f"b must be packed e2m1 (float4_e2m1fn_x2, or its uint8 bytes), got {sorted(map(str, bd))}")
-    if not sd <= {quant.E8M0, torch.float32}:
-        p.append(f"b_s must be e8m0 (float8_e8m0fnu) or float32 scales, got {sorted(map(str, sd))}")
+    _check_gemm_dtypes(p, a, a_s, b, b_s, (quant.FP4X2, torch.uint8),
+                       "packed e2m1 (float4_e2m1fn_x2, or its uint8 bytes) [N, K/2]")
     _shape_error(what, p)
     if any(n < 0 for n in counts) or sum(counts) != a.shape[0]:
         raise ValueError(f"{what}: counts must be >= 0 and sum to a's {a.shape[0]} rows, got sum {sum(counts)}")
