@@ -57,12 +57,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _short_repr(v: Any) -> str:
-    """repr for error messages: a 400-digit JSON integer is named by its length, not printed."""
+def short_repr(v: Any, width: int = 120) -> str:
+    """repr for error messages, at most ``width`` characters ("..." where cut); a 400-digit JSON integer is named
+    by its length, not printed. Also the state's and a resume's config-difference messages."""
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10 ** 30:
         return f"an integer of {len(str(abs(v)))} digits"
     r = repr(v)
-    return r if len(r) <= 120 else r[:117] + "..."
+    return r if len(r) <= width else r[:width - 3] + "..."
 
 
 def _release_ratios() -> tuple[int, ...]:
@@ -226,7 +227,7 @@ class Config:
         not_str = [k for k in d if not isinstance(k, str)]
         if not_str:
             raise TypeError(f"Config.from_dict: keys must be config.json key names (strings), got "
-                            f"{', '.join(_short_repr(k) for k in not_str[:5])}")
+                            f"{', '.join(short_repr(k) for k in not_str[:5])}")
         hf = [k for k in _HF_KEYS if k in d]
         if hf:
             raise ConfigError(f"this is the Hugging Face config.json (it has {', '.join(hf[:4])}); Config reads "
@@ -307,7 +308,7 @@ class Config:
                     ok = False
                 if not ok:
                     bad(f.name, f"expected a finite number{' or null' if t != 'float' else ''}, "
-                                f"got {_short_repr(v)}")
+                                f"got {short_repr(v)}")
             elif t == "bool":
                 if not isinstance(v, bool):
                     bad(f.name, f"expected true/false, got {v!r}")

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .config import Config, require_config
+from .config import Config, require_config, short_repr
 from .pytree import register_carrier
 
 
@@ -149,15 +149,11 @@ def config_mismatch(state_config_id: str, cfg: Config, what: str = "the state") 
     if old is None:
         return f"{what} was built for another config"
     new = _CONFIG_FIELDS[want]
-    diff = [f"{k} {_short(old.get(k))} in it, {_short(new.get(k))} in cfg" for k in sorted(set(old) | set(new))
+    diff = [f"{k} {short_repr(old.get(k), 40)} in it, {short_repr(new.get(k), 40)} in cfg"
+            for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
     more = f"; and {len(diff) - 4} more field(s)" if len(diff) > 4 else ""
     return f"{what} was built for another config ({'; '.join(diff[:4])}{more})"
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def state_nbytes(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None) -> int:

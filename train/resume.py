@@ -15,6 +15,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 import functional_dsv41 as fd
+from functional_dsv41.config import short_repr
 from functional_dsv41.train import checkpoint as ckpt_mod
 
 if TYPE_CHECKING:
@@ -58,13 +59,11 @@ def run_record(rc: RunConfig, cfg: fd.Config, schedule_steps: int) -> dict:
 
 def record_diff(saved: dict, now: dict) -> list[str]:
     """``"name old -> new"`` for every recorded setting that differs (schedule_steps is the resume's to keep)."""
-    def short(v):
-        r = repr(v)
-        return r if len(r) <= 24 else r[:20] + "..."
     out = []
     for part, prefix in (("model", "config."), ("run", "")):
         a, b = saved.get(part, {}), now[part]
-        out += [f"{prefix}{k} {short(a.get(k))} -> {short(b.get(k))}" for k in sorted(set(a) | set(b))
+        out += [f"{prefix}{k} {short_repr(a.get(k), 24)} -> {short_repr(b.get(k), 24)}"
+                for k in sorted(set(a) | set(b))
                 if k != "schedule_steps" and a.get(k) != b.get(k)]
     return out
 
