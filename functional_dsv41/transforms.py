@@ -13,6 +13,7 @@ import torch
 
 from .config import Config
 from .pytree import flatten_with_paths
+from .vision import VISION_PARAMS
 
 # torch 2.11-2.12 have no vmap batching rule for Tensor.view(dtype) (pytorch#180727, fixed in 2.13), which the
 # release's exponent-bit quantisation (quant.pow2_ceil_scale) and the indexer's exact top-k use on every layer
@@ -49,7 +50,6 @@ def under_vmap() -> bool:
 # read only after the last MoE router (the last layer's experts and its ffn hyper-connection), by the head, or
 # (without images, the stages always) not at all: vmapped, they leave routing and the state's histories unbatched
 _AFTER_ROUTERS = ("head.", "norm.", "mtp.")
-_IMAGE_PARAMS = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 
 def check_vmap(params: dict, batch: dict, cfg: Config, state, *, validate: bool, dispatch: str,
@@ -88,7 +88,7 @@ def check_vmap(params: dict, batch: dict, cfg: Config, state, *, validate: bool,
     if what is None and isinstance(params, dict):
         last = f"layers.{cfg.layer_ids[-1]}."
         skip = _AFTER_ROUTERS + (last + "ffn.experts.", last + "ffn.shared_experts.", last + "hc_ffn_") \
-            + (_IMAGE_PARAMS if images is None else ())
+            + (VISION_PARAMS if images is None else ())      # (their top-level keys: path prefixes)
         what = next((f"params {k}" for k, t in flatten_with_paths(params).items()
                      if isinstance(t, torch.Tensor) and not k.startswith(skip) and vmapped(t)), None)
     if what is None:                    # vmap over something else (the head, a tangent, a closed-over tensor)
