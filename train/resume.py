@@ -35,8 +35,8 @@ CORPUS_ENCODING = 2
 
 
 def _quotes_special_tokens(corpus: str, tokenizer: str) -> bool:
-    with open(tokenizer, encoding="utf-8") as fh:
-        specials = [t["content"] for t in json.load(fh).get("added_tokens", []) if t.get("special", True)]
+    from functional_dsv41.train.tokenizer import load_tokenizer
+    specials = [t.content for t in load_tokenizer(tokenizer).get_added_tokens_decoder().values() if t.special]
     with open(corpus, encoding="utf-8-sig") as fh:
         text = fh.read()
     return any(sp and sp in text for sp in specials)
