@@ -25,7 +25,11 @@ _gpu_env() {
     export TILELANG_CACHE_DIR=/tmp/tlcache
     export DSV41_TL_TARGET='{"kind":"cuda","arch":"sm_90a"}'   # the key the cache was built under
   fi
-  # the kernel golden fixtures (copied by scripts/pack_tl_cache.sh; ../shared does not travel)
-  if [ -d .tl/fixtures ]; then export DSV41_FIXTURES=$_root/.tl/fixtures; fi
+  # the golden fixtures (packed by scripts/pack_tl_cache.sh; ../shared does not travel)
+  if [ -f .tl/fixtures.tar.xz ]; then
+    mkdir -p /tmp/fixtures && tar xJf .tl/fixtures.tar.xz -C /tmp/fixtures ||
+      { echo "gpu_env.sh: unpacking .tl/fixtures.tar.xz failed" >&2; return 1; }
+    export DSV41_FIXTURES=/tmp/fixtures
+  elif [ -d .tl/fixtures ]; then export DSV41_FIXTURES=$_root/.tl/fixtures; fi
 }
 _gpu_env

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # Pack TileLang's local kernel cache (kernels compiled here for sm_90a with DSV41_TL_TARGET set, see
 # BENCHMARKS.md) as .tl/tlcache.tar.xz, so the GPU machine loads them instead of compiling (scripts/gpu_env.sh),
-# and copy the golden fixtures the GPU tests read (kernels, tiny-bf16, tiny-fp8: ~15 MiB) to .tl/fixtures.
+# and pack the golden fixtures the GPU tests read (kernels, tiny-bf16, tiny-fp8: 15 MB, 11 MB as xz) as
+# .tl/fixtures.tar.xz (gpu_env.sh unpacks it there).
 # It fails above CAP_MB (default 20): a device call carries at most 64 MiB in all (site.tar.xz takes 37).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 CAP_MB=${CAP_MB:-20}
-mkdir -p .tl/fixtures
 FIX=${DSV41_FIXTURES:-../shared/fixtures}
-# (their README.md files stay behind: no test reads them, and a call's 64 MiB has no room to spare)
+# (their README.md files stay behind: no test reads them, and a call's 64 MiB has no room to spare; the archive
+# is xz, not a folder, for the same reason: carried as a folder they took 4.4 MB more and the call no longer fit)
+stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
 for f in kernels tiny-bf16 tiny-fp8; do
   [ -d "$FIX/$f" ] || continue
-  rm -rf ".tl/fixtures/$f" && mkdir -p ".tl/fixtures/$f"
-  find "$FIX/$f" -maxdepth 1 -type f ! -name README.md -exec cp {} ".tl/fixtures/$f/" \;
+  mkdir -p "$stage/$f"
+  find "$FIX/$f" -maxdepth 1 -type f ! -name README.md -exec cp {} "$stage/$f/" \;
 done
+if [ -n "$(ls -A "$stage")" ]; then
+  XZ_OPT="-6 -T0" tar cJf .tl/fixtures.tar.xz.tmp -C "$stage" . \
+    || { rm -f .tl/fixtures.tar.xz.tmp; echo "pack_tl_cache.sh: packing the fixtures failed" >&2; exit 1; }
+  mv .tl/fixtures.tar.xz.tmp .tl/fixtures.tar.xz && rm -rf .tl/fixtures   # (the folder form of older packs)
+else
+  echo "pack_tl_cache.sh: no fixtures under $FIX; .tl/fixtures.tar.xz left as it was" >&2
+fi
 # a missing or empty cache would replace a good archive with one that breaks gpu_env.sh: refuse, keep the old one
 if ! find "$SRC" -name executable.so -print -quit 2>/dev/null | grep -q .; then
   echo "pack_tl_cache.sh: no compiled kernels in $SRC (set TILELANG_CACHE_DIR, or compile with" \
