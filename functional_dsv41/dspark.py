@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, sharding
 from .attention import fp8_qdq, output_projection
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
@@ -164,7 +164,7 @@ def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor,
     idx [b, M, T] into [main rows ; the M block rows]; qpos [b, M] positions -> x = hc_pre(h, pre) [b, M, dim]."""
     b, M = ids.shape
     eps = cfg.norm_eps
-    h = F.embedding(ids, params["embed"]["weight"]).unsqueeze(2).expand(b, M, cfg.hc_mult, cfg.dim).contiguous()
+    h = sharding.embedding(ids, params["embed"]["weight"]).unsqueeze(2).expand(b, M, cfg.hc_mult, cfg.dim).contiguous()
     pre = torch.zeros(b, M, cfg.hc_mult, dtype=torch.float32, device=ids.device)
     pre[..., 0] = 1.0
     for si, L in enumerate(cfg.dspark_layer_ids):
@@ -193,7 +193,7 @@ def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor,
 def _head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """x [..., dim] bf16 -> base draft logits [..., V] fp32 (shared LM head, last stage's norm)."""
     pl = params["mtp"][-1]
-    return F.linear(rms_norm(x, pl["norm"]["weight"], cfg.norm_eps).float(), params["head"]["weight"].float())
+    return sharding.vocab_logits(rms_norm(x, pl["norm"]["weight"], cfg.norm_eps).float(), params["head"]["weight"])
 
 
 def _markov(params: dict, tok: torch.Tensor):

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from functional_dsv41 import invariant, quant
+from functional_dsv41 import invariant, quant, sharding
 from functional_dsv41.linear import linear, qat_format
 from functional_dsv41.pytree import register_carrier
 
@@ -287,13 +287,13 @@ def lookup(weight: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tenso
         if scale is None or scale.shape != (R, D // quant.BLOCK):
             raise ValueError(f"engram lookup: fp8 table [{R}, {D}] needs an e8m0 scale [{R}, {D // quant.BLOCK}], "
                              f"got {None if scale is None else tuple(scale.shape)}")
-        q = weight.view(torch.uint8).index_select(0, flat).view(quant.FP8)
-        s = scale.view(torch.uint8).index_select(0, flat)
+        q = sharding.take_rows(weight, flat)        # (rows may be split over a mesh: sharding.py)
+        s = sharding.take_rows(scale, flat).view(torch.uint8)
         rows = quant.dequant_fp8_rows(q, s, torch.bfloat16)
     elif weight.is_floating_point():
         if scale is not None:
             raise ValueError(f"engram lookup: a {weight.dtype} table takes no scale")
-        rows = weight.index_select(0, flat).to(torch.bfloat16)
+        rows = sharding.take_rows(weight, flat).to(torch.bfloat16)
     else:
         raise TypeError(f"engram lookup: unsupported table dtype {weight.dtype}")
     return rows.reshape(*ids.shape[:-1], ids.shape[-1] * D)

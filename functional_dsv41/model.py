@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import engram as engram_mod
-from . import transforms, vision
+from . import sharding, transforms, vision
 from .attention import attention
 from .compressor import Chunk
 from .config import Config, require_config
@@ -195,6 +195,9 @@ def _param_shapes(cfg: Config) -> dict:
     return {e.name: tuple(e.logical) for e in spec_entries(cfg) if e.fmt != "scale"}
 
 
+_STACKED = re.compile(r"(.*\.experts)\.(\d+)(\..*)")   # layers.L.ffn.experts.E.w1.weight -> ...experts / E / .w1.weight
+
+
 def _check_params(params, cfg: Config) -> None:
     """The params' shapes against the config (host-only, ``param_spec``'s logical shapes, fp4 unpacked): a
     config changed in a notebook without new params failed deep inside torch ("shape '[1, 6, 8, 64]' is
@@ -209,6 +212,17 @@ def _check_params(params, cfg: Config) -> None:
     problems = []
     for name, want in _param_shapes(cfg).items():
         t = flat.get(name)
+        stacked = None if t is not None else _STACKED.fullmatch(name)
+        if stacked is not None and isinstance(flat.get(stacked[1] + stacked[3]), torch.Tensor):
+            # the stacked experts form (sharding.py): ...experts.w1.weight [E, ...] holds expert e in row e
+            t = flat[stacked[1] + stacked[3]]
+            if t.dim() == 0 or t.shape[0] <= int(stacked[2]):
+                problems.append(f"{stacked[1] + stacked[3]} has no expert {stacked[2]} (shape {tuple(t.shape)})")
+                continue
+            got = _logical_shape(t)[1:]
+            if got != want:
+                problems.append(f"{name} (row {stacked[2]} of {stacked[1] + stacked[3]}) is {got}, expected {want}")
+            continue
         if t is None:
             if not name.startswith(_OPTIONAL_PARAMS):
                 problems.append(f"{name} is missing (expected {want})")
@@ -339,7 +353,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
                                             cache=state.ngram if state is not None else None,
                                             positions=batch.get("positions"), check=validate)
 
-    h = F.embedding(ids, params["embed"]["weight"])
+    h = sharding.embedding(ids, params["embed"]["weight"])  # (= F.embedding; rows may be split: sharding.py)
     if batch.get("images") is not None:       # SPEC §1/§12: overwrite image spans (chunk at 0 only)
         h = vision.merge_image_embeddings(params, h, batch, cfg=cfg, start=start, debug=debug)
     if debug is not None:
@@ -376,7 +390,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
             hidden[L], pre_mix[L] = h, pre
 
     x = rms_norm(hc_pre(h, pre), params["norm"]["weight"], cfg.norm_eps)
-    logits = linear_rows(x.float(), params["head"]["weight"].float())
+    logits = sharding.vocab_logits(x.float(), params["head"]["weight"], linear_rows)   # fp32 [b, s, V]
     new_state = None
     if state is not None:
         new_state = dataclasses.replace(state, pos=start + s, layers=finish_append(caches, stamps), ngram=ngram)

@@ -24,7 +24,7 @@ import torch
 
 from .config import Config
 from functional_dsv41 import kernels, quant
-from . import invariant
+from . import invariant, sharding
 from .linear import linear, qat_format
 
 
@@ -161,36 +161,47 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
     w_TK, idx_TK = route(x_TD, p["gate"], cfg=cfg, layer_id=layer_id, image_mask_T=im_T)
     fake_routed = qat_format(cfg, "experts")
     y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
-    experts = p["experts"]
+    # this rank's routed experts (all of them unless sharded over "ep": sharding.py), from expert id `first`
+    experts, first, n_exp = sharding.local_experts(p["experts"])
+    xe_TD, we_TK = sharding.expert_inputs((x_TD, w_TK), p["experts"])   # (x_TD, w_TK) unless split over "ep"
     if dispatch == "sorted":
         # group token-slots by expert: one GEMM per active expert ...
         K = idx_TK.shape[1]
         flat_e = idx_TK.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
-        counts = torch.bincount(flat_e, minlength=len(experts)).tolist()
-        tok = order // K
-        wts = w_TK.reshape(-1)[order]
-        if _grouped_ok(experts, mode):
-            outs = [experts_grouped(x_TD[tok], experts, wts[:, None], counts, cfg=cfg, impl=impl).float()]
-        else:
-            outs, start = [], 0
+        counts = torch.bincount(flat_e, minlength=n_exp).tolist()
+        lo = sum(counts[:first])                     # the sorted slots [lo, hi) go to this rank's experts
+        counts = counts[first:first + len(experts)]
+        hi = lo + sum(counts)
+        tok = order[lo:hi] // K
+        wts = we_TK.reshape(-1)[order[lo:hi]]
+        outs = []
+        if hi > lo and _grouped_ok(experts, mode):
+            outs = [experts_grouped(xe_TD[tok], experts, wts[:, None], counts, cfg=cfg, impl=impl).float()]
+        elif hi > lo:
+            start = 0
             for e, n in enumerate(counts):
                 if n:
-                    outs.append(expert(x_TD[tok[start:start + n]], experts[e], wts[start:start + n, None],
+                    outs.append(expert(xe_TD[tok[start:start + n]], experts[e], wts[start:start + n, None],
                                        cfg=cfg, mode=mode, fake=fake_routed, impl=impl).float())
                     start += n
-        # ... then back to [T, K] slots, each token's K outputs added in ascending expert order
-        slot_out = torch.cat(outs).new_empty(flat_e.shape[0], x_TD.shape[1])
-        slot_out = slot_out.index_copy(0, order, torch.cat(outs)).view(-1, K, x_TD.shape[1])
+        # ... then back to [T, K] slots (another rank's slots zero here, summed over "ep"), each token's K
+        # outputs added in ascending expert order
+        mine = torch.cat(outs) if outs else x_TD.new_zeros(0, x_TD.shape[1], dtype=torch.float32)
+        slot_out = (mine.new_empty if hi - lo == flat_e.shape[0] else mine.new_zeros)(flat_e.shape[0], x_TD.shape[1])
+        slot_out = sharding.sum_experts(slot_out.index_copy(0, order[lo:hi], mine), p["experts"])
+        slot_out = slot_out.view(-1, K, x_TD.shape[1])
         slot_out = slot_out.gather(1, idx_TK.argsort(-1)[..., None].expand_as(slot_out))
         for k in range(K):
             y_TD = y_TD + slot_out[:, k]
     elif dispatch == "dense":
-        dense_w_TE = torch.zeros(x_TD.shape[0], len(experts), dtype=torch.float32,
-                                 device=x.device).scatter(-1, idx_TK, w_TK)
-        for e in range(len(experts)):
-            out = expert(x_TD, experts[e], dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake_routed, impl=impl)
+        dense_w_TE = torch.zeros(x_TD.shape[0], n_exp, dtype=torch.float32,
+                                 device=x.device).scatter(-1, idx_TK, we_TK)
+        for i, ex in enumerate(experts):
+            e = first + i
+            out = expert(xe_TD, ex, dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake_routed, impl=impl)
             y_TD = y_TD + out.float() * (dense_w_TE[:, e:e + 1] != 0)
+        y_TD = sharding.sum_experts(y_TD, p["experts"])   # (over "ep": other partial sums, not the same bits)
     else:
         raise ValueError(f"moe: dispatch must be 'sorted' or 'dense', got {dispatch!r}")
     if "shared_experts" in p:

@@ -1,0 +1,197 @@
+"""One rank of tests/test_sharding.py: python tests/_sharding_worker.py RANK WORLD PORT SCENARIO.
+
+Each rank builds the same tiny model, runs it plain and sharded over a gloo CPU mesh, and raises (exit 1, the
+message on stderr) where the sharded run differs; it prints "ok SCENARIO" when every check passed.
+"""
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import functional_dsv41 as fd  # noqa: E402
+from functional_dsv41 import sharding  # noqa: E402
+from functional_dsv41.dspark import dspark_forward  # noqa: E402
+from functional_dsv41.pytree import flatten_with_paths  # noqa: E402
+
+MESHES = {"ep": ((2,), ("ep",)), "emb": ((2,), ("emb",)), "ep2_emb1": ((2, 1), ("ep", "emb")),
+          "ep1_emb2": ((1, 2), ("ep", "emb"))}
+
+
+def same_tree(a, b, what):
+    fa, fb = dict(flatten_with_paths(a)), dict(flatten_with_paths(b))
+    assert fa.keys() == fb.keys(), f"{what}: paths differ: {sorted(fa.keys() ^ fb.keys())[:5]}"
+    for k, x in fa.items():
+        y = fb[k]
+        if isinstance(x, torch.Tensor):
+            assert type(y) is torch.Tensor, f"{what}: {k} is a {type(y).__name__}"
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{what}: {k}: {x.dtype} {x.shape} vs {y.dtype} {y.shape}"
+            assert torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
+                               y.view(torch.uint8) if y.element_size() == 1 else y), f"{what}: {k} values differ"
+        else:
+            assert x == y, f"{what}: {k}: {x!r} vs {y!r}"
+
+
+def check_local_sizes(cfg, sh, names, sizes):
+    ep = sizes[names.index("ep")] if "ep" in names else 1
+    emb = sizes[names.index("emb")] if "emb" in names else 1
+    ex = sh["layers"][3]["ffn"]["experts"]
+    if "ep" in names:
+        w1 = ex["w1"]["weight"]
+        assert sharding.is_sharded(w1) and w1.shape[0] == cfg.n_routed_experts, w1.shape
+        assert w1.to_local().shape[0] == cfg.n_routed_experts // ep, w1.to_local().shape
+        assert sh["mtp"][0]["ffn"]["experts"]["w2"]["scale"].to_local().shape[0] == cfg.dspark_n_routed_experts // ep
+    else:
+        assert isinstance(ex, list), type(ex)
+    if "emb" in names:
+        e = sh["embed"]["weight"]
+        assert sharding.is_sharded(e) and e.to_local().shape[0] == cfg.vocab_size // emb
+        assert sh["head"]["weight"].to_local().shape[0] == cfg.vocab_size // emb
+        t = sh["layers"][1]["engram"]["embed"]
+        assert t["weight"].to_local().shape[0] == -(-cfg.engram_num_embeddings[0] // emb)
+        assert t["scale"].to_local().shape[0] == t["weight"].to_local().shape[0]
+    else:
+        assert type(sh["embed"]["weight"]) is torch.Tensor
+
+
+def uneven_rows(mesh):
+    """7 rows over 2 ranks (4 + 3): every storage dtype, ids on both ranks' rows."""
+    if "emb" not in mesh.mesh_dim_names or mesh.size(list(mesh.mesh_dim_names).index("emb")) < 2:
+        return
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([6, 0, 3, 4, 4, 1])
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        t = (torch.randn(7, 64, generator=g) * 4).to(dtype)
+        d = sharding._shard_rows(t, mesh, "emb")
+        assert d.to_local().shape[0] in (4, 3)
+        got = sharding.take_rows(d, ids)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                                                  t[ids].view(torch.uint8) if t.element_size() == 1 else t[ids]), dtype
+        if dtype.is_floating_point and t.element_size() > 1:
+            assert torch.equal(sharding.embedding(ids[None], d), t[ids][None]), dtype
+        same_tree({"w": t}, sharding.full_params({"w": d}), f"uneven {dtype}")
+    # the head's columns over 515 rows (258 + 257; BLAS picks other kernels for a few columns, e.g. 4 + 3)
+    w = torch.randn(515, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g)
+    assert torch.equal(sharding.vocab_logits(x, sharding._shard_rows(w, mesh, "emb")),
+                       torch.nn.functional.linear(x, w.float()))
+
+
+def tiny_model(seed, master=False, **overrides):
+    cfg = fd.Config.tiny(**overrides)
+    params = fd.init_params(cfg, seed=seed, master=master)
+    params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size  # (no tokenizer)
+    return cfg, params
+
+
+def main():
+    rank, world, port, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    sizes, names = MESHES[scenario]
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    uneven_rows(mesh)
+
+    cfg, params = tiny_model(0, dtype="fp8", expert_dtype="fp4")   # fp8 dense + fp8 Engram tables, fp4 experts
+    sh = sharding.shard_params(params, mesh)
+    check_local_sizes(cfg, sh, names, sizes)
+
+    ids = torch.randint(0, cfg.vocab_size - 2, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = fd.forward(params, {"input_ids": ids}, cfg=cfg)
+    out = fd.forward(sh, {"input_ids": ids}, cfg=cfg)
+    assert type(out.logits) is torch.Tensor
+    assert torch.equal(out.logits, plain.logits), f"logits max diff {(out.logits - plain.logits).abs().max()}"
+    assert torch.equal(out.main_hidden, plain.main_hidden)
+
+    # prefill 9 tokens, then three one-token decode steps, plain and sharded
+    st_p, st_s = fd.init_state(cfg, batch_size=2, max_seq_len=32), fd.init_state(cfg, batch_size=2, max_seq_len=32)
+    for a, b in ((0, 9), (9, 10), (10, 11), (11, 12)):
+        p = fd.forward(params, {"input_ids": ids[:, a:b]}, cfg=cfg, state=st_p)
+        s = fd.forward(sh, {"input_ids": ids[:, a:b]}, cfg=cfg, state=st_s)
+        assert torch.equal(p.logits, s.logits), f"chunk [{a}, {b}) differs"
+        st_p, st_s = p.state, s.state
+
+    # the DSpark stages (their experts, the shared embedding and head)
+    dp = dspark_forward(params, plain.main_hidden, ids, cfg=cfg)
+    ds = dspark_forward(sh, out.main_hidden, ids, cfg=cfg)
+    for f in ("logits",):
+        assert torch.equal(getattr(dp, f), getattr(ds, f)), f"dspark {f} differs"
+
+    # the dense dispatch: other partial sums, so within float rounding
+    dd = fd.forward(sh, {"input_ids": ids}, cfg=cfg, dispatch="dense")
+    pd = fd.forward(params, {"input_ids": ids}, cfg=cfg, dispatch="dense")
+    err = (dd.logits - pd.logits).abs().max() / pd.logits.abs().max()
+    assert err < 2e-2, f"dense dispatch: relative max diff {err}"
+
+    # refusals: a tree sharded twice, experts that do not divide over ep, a mesh dim the plan does not know
+    def refused(fn, words):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            assert all(w in str(e) for w in words), str(e)
+        else:
+            raise AssertionError(f"not refused: {words}")
+    refused(lambda: sharding.shard_params(sh, mesh), ["sharded already"])
+    if "ep" in names and sizes[names.index("ep")] == 2:
+        three = {"layers": [{"ffn": {"experts": [{"w1": {"weight": torch.ones(2, 2)}}] * 3}}]}
+        refused(lambda: sharding.shard_params(three, mesh), ["layers.0.ffn.experts", "3 routed experts", "ep=2"])
+    refused(lambda: sharding.shard_params(params, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))),
+            ["unknown mesh dim", "tp"])
+
+    # back to the released layout, bit for bit
+    same_tree(params, sharding.full_params(sh), "full_params")
+
+    # autograd through the sums: the training setting (fp32 masters of the fp8 / fp4 weights, QAT), sharded vs plain
+    cfg16, p16 = tiny_model(2, master=True, dtype="fp8", expert_dtype="fp4")
+    ids16 = ids[:1, :8]
+    def loss(tree):
+        return fd.forward(tree, {"input_ids": ids16}, cfg=cfg16, mode="qat").logits.float().logsumexp(-1).mean()
+    leaves_p = dict(flatten_with_paths(p16))
+    for t in leaves_p.values():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.requires_grad_(True)
+    loss(p16).backward()
+    s16 = sharding.shard_params(p16, mesh)
+    leaves_s = {}
+    def detach(node):
+        if isinstance(node, dict):
+            return {k: detach(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [detach(v) for v in node]
+        if isinstance(node, torch.Tensor) and node.is_floating_point():
+            return node.detach().requires_grad_(True)
+        return node
+    s16 = detach(s16)
+    loss(s16).backward()
+    leaves_s = dict(flatten_with_paths(s16))
+    checked = []
+    for path in ("embed.weight", "head.weight", "layers.1.engram.embed.weight", "layers.3.ffn.experts.w1.weight",
+                 "layers.3.ffn.experts.1.w1.weight", "layers.3.attn.wq_a.weight"):
+        if path not in leaves_s:
+            continue
+        g = leaves_s[path].grad
+        assert g is not None, f"no gradient for {path}"
+        g = g.full_tensor() if sharding.is_sharded(g) else g
+        if path.endswith("experts.w1.weight"):
+            ws = [leaves_p[f"layers.3.ffn.experts.{e}.w1.weight"] for e in range(cfg16.n_routed_experts)]
+            want = torch.stack([torch.zeros_like(w) if w.grad is None else w.grad for w in ws])   # (no tokens: no grad)
+        else:
+            want = leaves_p[path].grad
+        g, want = g.float(), want.float()
+        cos = 1 - 2 * float((g * want).sum()) / float(g.square().sum() + want.square().sum())
+        # bf16 activations: their gradients' partial sums round differently (cos ~1e-4 seen); a gradient
+        # that misses the other ranks' part (no sum at the experts' or the head's input) is off by ~0.5
+        assert cos < 1e-3, f"{path}: gradient cosine diff {cos:.2e}"
+        checked.append(path)
+    assert len(checked) == 5, checked
+    print(f"ok {scenario}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
