@@ -343,6 +343,8 @@ class Config:
             bad("score_func", f"must be softmax, sigmoid or sqrtsoftplus, got {self.score_func!r}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
+        if self.route_scale < 0:      # (0 is an ablation: the routed experts off; a negative one flips their sign)
+            bad("route_scale", f"must be >= 0 (it multiplies the routing weights), got {self.route_scale}")
         # numbers the model divides by or takes the log of: outside these ranges forward returns NaN / inf
         for name in ("rope_theta", "compress_rope_theta", "vision_rope_theta"):
             if getattr(self, name) <= 1:
@@ -459,6 +461,10 @@ class Config:
             for L in self.dspark_target_layer_ids:
                 if not 0 <= L < self.n_layers:
                     bad("dspark_target_layer_ids", f"layer {L} is not a backbone layer")
+            if list(self.dspark_target_layer_ids) != sorted(set(self.dspark_target_layer_ids)):
+                # forward collects the inputs in layer order, once per layer: a repeat or another order would
+                # give the drafter fewer or other-ordered hidden states than the config promises
+                bad("dspark_target_layer_ids", f"must be strictly increasing, got {list(self.dspark_target_layer_ids)}")
             if self.dspark_block_size < 1:
                 bad("dspark_block_size", f"must be >= 1, got {self.dspark_block_size}")
         for name in ("image_token_id", "dspark_noise_token_id", "engram_pad_id"):

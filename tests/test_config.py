@@ -165,6 +165,9 @@ FLASH_BAD = [
     ("engram_layer_ids", dict(engram_layer_ids=(1, 40))),
     ("engram_max_ngram_size", dict(engram_max_ngram_size=1)),
     ("dspark_target_layer_ids", dict(dspark_target_layer_ids=(37, 38, 40))),
+    ("dspark_target_layer_ids", dict(dspark_target_layer_ids=(37, 37, 39))),
+    ("dspark_target_layer_ids", dict(dspark_target_layer_ids=(39, 38, 37))),
+    ("route_scale", dict(route_scale=-1.5)),
     ("dspark_block_size", dict(dspark_block_size=0)),
     ("image_token_id", dict(image_token_id=129280)),
     ("dspark_noise_token_id", dict(dspark_noise_token_id=-1)),
@@ -218,7 +221,8 @@ def test_refusals_name_the_field(field, changes):
 
 
 def test_numeric_ranges_accept_the_valid_side():
-    Config.flash(vision_max_wh_ratio=None, hc_eps=0.0, gate_temp=0.5, rope_factor=1, original_seq_len=1)
+    Config.flash(vision_max_wh_ratio=None, hc_eps=0.0, gate_temp=0.5, rope_factor=1, original_seq_len=1, route_scale=0.0)
+    Config.flash(dspark_target_layer_ids=(5, 20, 39))
 
 
 def test_optional_part_sizes_only_checked_when_enabled():
