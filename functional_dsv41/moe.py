@@ -187,7 +187,10 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
                     start += n
         # ... then back to [T, K] slots (another rank's slots zero here, summed over "ep"), each token's K
         # outputs added in ascending expert order
-        mine = torch.cat(outs) if outs else x_TD.new_zeros(0, x_TD.shape[1], dtype=torch.float32)
+        # (no slot here: a 0-row value still tied to xe_TD / we_TK, so that their backward - a sum over "ep" -
+        # runs on every rank, as a collective must, and to the experts, whose gradients are then 0, not None)
+        mine = torch.cat(outs) if outs else \
+            xe_TD[:0].float() * we_TK.reshape(-1)[:0, None] + sharding.no_slots(p["experts"])
         slot_out = (mine.new_empty if hi - lo == flat_e.shape[0] else mine.new_zeros)(flat_e.shape[0], x_TD.shape[1])
         slot_out = sharding.sum_experts(slot_out.index_copy(0, order[lo:hi], mine), p["experts"])
         slot_out = slot_out.view(-1, K, x_TD.shape[1])

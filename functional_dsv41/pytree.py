@@ -270,6 +270,10 @@ def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
     if atol is not None and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0):
         raise TypeError(f"tree_diff: atol must be None or a number >= 0, got {atol!r}")
     fa, fb = _flatten(a, "tree_diff (a)"), _flatten(b, "tree_diff (b)")
+    from . import sharding
+    for side, flat in (("a", fa), ("b", fb)):
+        if any(sharding.is_sharded(v) for v in flat.values()):     # (stacked experts compare: other paths)
+            raise ValueError(sharding.refusal(flat, f"tree_diff ({side})"))
     rows = []
     for path in list(fa) + [p for p in fb if p not in fa]:
         if path not in fb:

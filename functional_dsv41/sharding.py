@@ -20,23 +20,29 @@ form ``{"w1": {"weight": [E, ...], "scale": [E, ...]}, "w2": ..., "w3": ...}`` (
 and its sharded form alike (``local_experts``).
 
 The same ``forward`` runs on a plain tree and on a sharded one. The model reads sharded leaves only through the
-helpers below, at the four places that touch them, and each returns a plain (replicated) tensor:
+helpers below, at the places that touch them, and each returns a plain (replicated) tensor:
 
 - ``embedding(ids, weight)``     token embedding (``model.forward``, DSpark stages): each rank looks up the rows it
   holds (zeros elsewhere), summed over ``emb``;
-- ``take_rows(table, ids)``      Engram table rows in storage form (bytes summed over ``emb``: exact for any dtype);
+- ``take_rows(table, ids)``      Engram table rows in storage form (1-byte dtypes as bytes, summed over ``emb``);
 - ``vocab_logits(x, weight)``    the LM head: each rank's vocabulary columns, gathered over ``emb``;
-- ``local_experts(node)`` / ``sum_experts(t, node)``  the MoE: each rank runs its own experts on the slots routed
-  to them; the slot outputs (zero where another rank's expert produced them) are summed over ``ep`` before the
-  usual per-token sum, so each token's outputs are added in the same order as on one rank.
+- ``local_experts(node)``, ``expert_inputs(tensors, node)``, ``sum_experts(t, node)``  the MoE: each rank runs its
+  own experts on the slots routed to them; the slot outputs (zero where another rank's expert produced them) are
+  summed over ``ep`` before the usual per-token sum, so each token's outputs are added in the same order as on one
+  rank (``dispatch="dense"`` sums each rank's partial sums instead: the same values to rounding).
 
-Each of these sums has exactly one nonzero term per element, so a sharded forward gives the plain tree's values
-(tests/test_sharding.py asserts the logits equal). Gradients flow through the sums with ``torch.autograd``
-(DTensor's redistributions are differentiable); ``torch.func`` transforms over DTensor trees are not supported.
+With the sorted dispatch each of these sums has exactly one nonzero term per element, so a sharded forward gives
+the plain tree's values (tests/test_sharding.py asserts the logits equal). Gradients flow under ``torch.autograd``:
+the split leaves are leaves of their own (``.grad`` a DTensor of the same split), and the replicated inputs of a
+split computation (the tokens entering the experts or the head) have their gradient summed over the split dim in
+the backward (``_enter``), so every rank holds the whole gradient of every replicated leaf. ``torch.func``
+transforms over DTensor trees are not supported (``forward`` refuses vmap over one); ``save_params`` and
+``tree_diff`` refuse a sharded tree and point to ``full_params``.
 """
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +60,24 @@ def is_sharded(t: Any) -> bool:
     if not isinstance(t, torch.Tensor) or type(t) is torch.Tensor:
         return False
     return type(t).__name__ == "DTensor" and isinstance(t, _dtensor()[0])
+
+
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.[^.\d][^.]*\.[^.]+")   # ...experts.w1.weight (no expert id)
+
+
+def refusal(flat: dict, what: str) -> Optional[str]:
+    """The reason ``what`` (a function that needs the released layout on one process: save_params, tree_diff)
+    cannot take a flattened tree, or None: DTensor shards, or experts in the stacked form."""
+    shards = [k for k, v in flat.items() if is_sharded(v)]
+    if shards:
+        more = f" (and {len(shards) - 1} more)" if len(shards) > 1 else ""
+        return (f"{what}: {shards[0]}{more} is a DTensor shard (sharding.shard_params): pass "
+                f"sharding.full_params(tree) (a collective: every rank calls it) instead")
+    stacked = sorted({m[1] for k in flat if (m := _STACKED_EXPERTS.fullmatch(k))})
+    if stacked:
+        return (f"{what}: {stacked[0]} holds its experts in the stacked form (sharding.stack_experts); the "
+                f"released layout lists them one by one: pass sharding.full_params(tree) instead")
+    return None
 
 
 # ----------------------------------------------------------------------------- placements
@@ -89,15 +113,16 @@ def _shard_rows(t: torch.Tensor, mesh, name: str, dim: int = 0):
     DTensor, _, _, Shard = _dtensor()
     md = _mesh_dim(mesh, name)
     start, stop = _chunk_range(t.shape[dim], mesh.size(md), mesh.get_local_rank(md))
-    local = t.narrow(dim, start, stop - start).contiguous()
-    full = t.contiguous()
+    # (detached: the shard is a new leaf of its own, with the full tensor's requires_grad; its .grad is a DTensor)
+    local = t.detach().narrow(dim, start, stop - start).contiguous()
+    stride = torch.empty(t.shape, device="meta").stride()
     return DTensor.from_local(local, mesh, _placements(mesh, name, Shard(dim)), run_check=False,
-                              shape=full.shape, stride=full.stride())
+                              shape=t.shape, stride=stride).requires_grad_(t.requires_grad)
 
 
 def _stack(ts: list) -> torch.Tensor:
     """torch.stack for any dtype (the 1-byte storage dtypes through uint8 views)."""
-    if ts[0].element_size() == 1 and not ts[0].dtype in (torch.uint8, torch.int8, torch.bool):
+    if ts[0].element_size() == 1 and ts[0].dtype not in (torch.uint8, torch.int8, torch.bool):
         return torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
     return torch.stack(ts)
 
@@ -232,9 +257,8 @@ def full_params(params: dict) -> dict:
 # ----------------------------------------------------------------------------- what the model calls
 def _sum_over(t: torch.Tensor, like) -> torch.Tensor:
     """t (this rank's partial values) summed over the mesh dim ``like`` (a DTensor) is sharded on: plain tensor."""
-    DTensor, Partial, _, Shard = _dtensor()
-    (md, _), = [(i, p) for i, p in enumerate(like.placements) if isinstance(p, Shard)]
-    name = like.device_mesh.mesh_dim_names[md]
+    DTensor, Partial, _, _ = _dtensor()
+    _, name = _split_dim(like, "a sum over a mesh dim")
     return DTensor.from_local(t, like.device_mesh, _placements(like.device_mesh, name, Partial()),
                               run_check=False).full_tensor()
 
@@ -244,17 +268,26 @@ def _enter(t: torch.Tensor, like) -> torch.Tensor:
     sharded on: the same values; in the backward its gradient (each rank's part) is summed over that dim."""
     if not t.requires_grad:
         return t
-    DTensor, Partial, Replicate, Shard = _dtensor()
-    (md, _), = [(i, p) for i, p in enumerate(like.placements) if isinstance(p, Shard)]
+    DTensor, Partial, Replicate, _ = _dtensor()
+    _, name = _split_dim(like, "a split computation's input")
     mesh = like.device_mesh
     rep = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return rep.to_local(grad_placements=_placements(mesh, mesh.mesh_dim_names[md], Partial()))
+    return rep.to_local(grad_placements=_placements(mesh, name, Partial()))
+
+
+def _split_dim(t, what: str) -> tuple[int, str]:
+    """(mesh dim index, its name) of the one mesh dim a DTensor leaf is split over (Shard(0) along ``rows``)."""
+    _, _, _, Shard = _dtensor()
+    split = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if len(split) != 1:
+        raise ValueError(f"{what}: expected a DTensor split over one mesh dim (sharding.shard_params' placements), "
+                         f"got placements {tuple(t.placements)}")
+    return split[0], t.device_mesh.mesh_dim_names[split[0]]
 
 
 def _local_rows(weight, ids: torch.Tensor):
     """(local table, local ids with the other ranks' rows sent to row 0, mask of the rows this rank holds)."""
-    _, _, _, Shard = _dtensor()
-    (md, _), = [(i, p) for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    md, _ = _split_dim(weight, "a row-split table")
     mesh = weight.device_mesh
     start, stop = _chunk_range(weight.shape[0], mesh.size(md), mesh.get_local_rank(md))
     mine = (ids >= start) & (ids < stop)
@@ -299,12 +332,12 @@ def vocab_logits(x: torch.Tensor, weight: torch.Tensor, linear=F.linear) -> torc
     if not is_sharded(weight):
         return linear(x, weight.float())
     DTensor, _, _, Shard = _dtensor()
-    (md, _), = [(i, p) for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    _, name = _split_dim(weight, "the LM head")
     mesh = weight.device_mesh
     part = linear(_enter(x, weight), weight.to_local().float())
     shape = (*x.shape[:-1], weight.shape[0])
     stride = torch.empty(shape, device="meta").stride()
-    d = DTensor.from_local(part, mesh, _placements(mesh, mesh.mesh_dim_names[md], Shard(x.ndim - 1)),
+    d = DTensor.from_local(part, mesh, _placements(mesh, name, Shard(x.ndim - 1)),
                            run_check=False, shape=torch.Size(shape), stride=stride)
     return d.full_tensor()
 
@@ -319,8 +352,7 @@ def local_experts(node) -> tuple[list, int, int]:
     leaf = next(iter(next(iter(node.values())).values()))
     if not is_sharded(leaf):
         return unstack_experts(node), 0, leaf.shape[0]
-    _, _, _, Shard = _dtensor()
-    (md, _), = [(i, p) for i, p in enumerate(leaf.placements) if isinstance(p, Shard)]
+    md, _ = _split_dim(leaf, "the routed experts")
     mesh = leaf.device_mesh
     start, _ = _chunk_range(leaf.shape[0], mesh.size(md), mesh.get_local_rank(md))
     local = {p: {name: t.to_local() for name, t in d.items()} for p, d in node.items()}
@@ -334,6 +366,18 @@ def expert_inputs(tensors: tuple, node) -> tuple:
         return tensors
     leaf = next(iter(next(iter(node.values())).values()))
     return tuple(_enter(t, leaf) for t in tensors) if is_sharded(leaf) else tensors
+
+
+def no_slots(node) -> torch.Tensor:
+    """A 0 (fp32 scalar) tied to this rank's trainable expert leaves, for a rank no slot was routed to: its
+    experts then get zero gradients, as on the ranks that ran theirs, instead of none (a DTensor .grad that
+    exists on some ranks only breaks every collective over the gradients: clipping, full_tensor)."""
+    zero = torch.zeros((), dtype=torch.float32)
+    for t in _leaves(node):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            local = t.to_local() if is_sharded(t) else t
+            zero = zero.to(local.device) + local.reshape(-1)[:0].float().sum()
+    return zero
 
 
 def sum_experts(t: torch.Tensor, node) -> torch.Tensor:

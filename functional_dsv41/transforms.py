@@ -59,7 +59,10 @@ def check_vmap(params: dict, batch: dict, cfg: Config, state, *, validate: bool,
     data pointer of Tensor that doesn't have storage", "inplace arithmetic ... vmapped over", "You tried to vmap
     over _HcSplitSinkhorn"); returns the kernel impl to run: "torch" (functorch refuses the TileLang ops'
     autograd.Functions under vmap, batched or not, so impl="auto" cannot fall back op by op). Host-only."""
-    from . import kernels
+    from . import kernels, sharding
+    if any(sharding.is_sharded(v) for v in flatten_with_paths(params).values()):
+        raise NotImplementedError("forward: torch.func.vmap over a sharded tree (DTensor leaves, "
+                                  "sharding.shard_params) is not supported; vmap over the plain tree")
     chosen = kernels.default_impl() if impl is None else impl
     if chosen not in kernels.IMPLS:
         return impl                     # the kernels' dispatcher names it

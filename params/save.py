@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from functional_dsv41 import sharding
 from functional_dsv41.config import Config, require_config
 from functional_dsv41.pytree import flatten_with_paths
 
@@ -48,6 +49,9 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
             not max_shard_bytes > 0:
         raise CheckpointError(f"save_params: max_shard_bytes must be a number > 0, got {max_shard_bytes!r}", [])
     flat = {k: v for k, v in flatten_with_paths(params).items() if k != TOKEN_MAP}
+    why = sharding.refusal(flat, "save_params")
+    if why:
+        raise CheckpointError(why, [])
     entries = spec_entries(cfg)
     bad = [k for k, v in flat.items() if not isinstance(v, torch.Tensor)]
     if bad:

@@ -18,6 +18,7 @@ import torch
 
 import functional_dsv41 as fd
 from functional_dsv41 import sharding
+from functional_dsv41.params import CheckpointError
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 
@@ -129,3 +130,14 @@ def test_plain_helpers_are_the_plain_ops():
     x = torch.randn(4, 32, generator=g)
     assert torch.equal(sharding.vocab_logits(x, w), torch.nn.functional.linear(x, w.float()))
     assert not sharding.is_sharded(w)
+
+
+def test_save_and_tree_diff_name_the_stacked_form(tmp_path):
+    """save_params writes the released layout: experts in the stacked form are refused by name, nothing written."""
+    cfg, params = _tiny()
+    st = _stacked(params)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.ffn\.experts holds its experts in the stacked form"):
+        fd.save_params(st, tmp_path / "out", cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    report = fd.tree_diff(params, st)          # a plain stacked tree compares (other paths), it does not raise
+    assert not report.ok
