@@ -17,7 +17,12 @@ Two dispatch formulations, equal in value:
   (``experts_grouped``, the same rows).
 - ``dispatch="dense"``: every expert over every token, masked by the routing weights; no
   data-dependent shapes, so it works under ``torch.func.vmap`` (tiny configs only).
+
+``p["experts"]`` is the released list of per-expert dicts, or the stacked form ``{"w1": {"weight": [E, ...]}, ..}``,
+or that form split over an ``ep`` mesh dim (``sharding.py``): then this process runs its own experts on the slots
+routed to them and the slot outputs are summed over ``ep`` before the per-token sum (the same order, the same bits).
 """
+
 from __future__ import annotations
 
 import torch
