@@ -36,7 +36,7 @@ the plain tree's values (tests/test_sharding.py asserts the logits equal). Gradi
 the split leaves are leaves of their own (``.grad`` a DTensor of the same split), and the replicated inputs of a
 split computation (the tokens entering the experts or the head) have their gradient summed over the split dim in
 the backward (``_enter``), so every rank holds the whole gradient of every replicated leaf. ``torch.func``
-transforms over DTensor trees are not supported (``forward`` refuses vmap over one); ``save_params`` and
+transforms over DTensor trees are not supported (DTensor has no functorch rules; ``forward`` refuses them); ``save_params`` and
 ``tree_diff`` refuse a sharded tree and point to ``full_params``.
 """
 from __future__ import annotations

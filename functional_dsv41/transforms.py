@@ -30,6 +30,23 @@ def vmapped(t: torch.Tensor) -> bool:
     return False
 
 
+def check_unsharded(params: dict) -> None:
+    """Under a torch.func transform (forward calls it only there): refuse a sharded tree by name. DTensor's
+    from_local / to_local are autograd.Functions without functorch rules, and a transform's wrapper hides the
+    DTensor from ``sharding``'s helpers, so the forward failed deep inside torch ("got mixed torch.Tensor and
+    DTensor"). Host-only."""
+    from . import sharding
+    ft = torch._C._functorch
+    for path, t in flatten_with_paths(params).items():
+        while isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
+            t = ft.get_unwrapped(t)
+        if sharding.is_sharded(t):
+            raise NotImplementedError(
+                f"forward: torch.func transforms (grad, vjp, jvp, vmap) over a sharded tree are not supported: "
+                f"{path} is a DTensor shard (sharding.shard_params), and DTensor has no functorch rules; "
+                f"differentiate with torch.autograd (loss.backward()) or transform the plain tree")
+
+
 def _tensors(x):
     """The tensors in nested lists, tuples and dicts (batch["images"])."""
     if isinstance(x, torch.Tensor):
@@ -59,10 +76,7 @@ def check_vmap(params: dict, batch: dict, cfg: Config, state, *, validate: bool,
     data pointer of Tensor that doesn't have storage", "inplace arithmetic ... vmapped over", "You tried to vmap
     over _HcSplitSinkhorn"); returns the kernel impl to run: "torch" (functorch refuses the TileLang ops'
     autograd.Functions under vmap, batched or not, so impl="auto" cannot fall back op by op). Host-only."""
-    from . import kernels, sharding
-    if any(sharding.is_sharded(v) for v in flatten_with_paths(params).values()):
-        raise NotImplementedError("forward: torch.func.vmap over a sharded tree (DTensor leaves, "
-                                  "sharding.shard_params) is not supported; vmap over the plain tree")
+    from . import kernels
     chosen = kernels.default_impl() if impl is None else impl
     if chosen not in kernels.IMPLS:
         return impl                     # the kernels' dispatcher names it

@@ -153,9 +153,17 @@ def main():
     try:
         torch.func.vmap(lambda i: fd.forward(sh, {"input_ids": i}, cfg=cfg, dispatch="dense", validate=False).logits)(ids[:, None])
     except NotImplementedError as e:
-        assert "sharded tree" in str(e), str(e)
+        assert "sharded tree" in str(e) and "DTensor shard" in str(e), str(e)
     else:
         raise AssertionError("vmap over a sharded tree not refused")
+    try:
+        from functional_dsv41.train.step import assemble, split_params
+        trainable, frozen = split_params(sh)
+        torch.func.grad(lambda t: fd.forward(assemble(t, frozen), {"input_ids": ids}, cfg=cfg).logits.sum())(trainable)
+    except NotImplementedError as e:
+        assert "torch.func transforms" in str(e) and "loss.backward()" in str(e), str(e)
+    else:
+        raise AssertionError("torch.func.grad over a sharded tree not refused")
 
     # back to the released layout, bit for bit
     same_tree(params, sharding.full_params(sh), "full_params")
