@@ -37,7 +37,22 @@ def check_unsharded(params: dict) -> None:
     DTensor"). Host-only."""
     from . import sharding
     ft = torch._C._functorch
-    for path, t in flatten_with_paths(params).items():
+    # only the leaves sharding.plan splits (a per-layer look, not a walk over every expert leaf each step)
+    candidates = {f"{top}.weight": params.get(top, {}).get("weight") for top in ("embed", "head")
+                  if isinstance(params.get(top), dict)}
+    for group in ("layers", "mtp"):
+        for i, layer in enumerate(params.get(group) or ()):
+            if not isinstance(layer, dict):
+                continue
+            table = (layer.get("engram") or {}).get("embed") if isinstance(layer.get("engram"), dict) else None
+            if isinstance(table, dict):
+                candidates[f"{group}.{i}.engram.embed.weight"] = table.get("weight")
+            experts = (layer.get("ffn") or {}).get("experts") if isinstance(layer.get("ffn"), dict) else None
+            if isinstance(experts, dict):           # the stacked form (a sharded tree's); the list is never split
+                for proj, d in experts.items():
+                    for leaf, t in (d.items() if isinstance(d, dict) else ()):
+                        candidates[f"{group}.{i}.ffn.experts.{proj}.{leaf}"] = t
+    for path, t in candidates.items():
         while isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
             t = ft.get_unwrapped(t)
         if sharding.is_sharded(t):
