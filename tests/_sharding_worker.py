@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import functional_dsv41 as fd  # noqa: E402
 from functional_dsv41 import sharding  # noqa: E402
 from functional_dsv41.dspark import dspark_forward  # noqa: E402
+from functional_dsv41.train import optim  # noqa: E402
 from functional_dsv41.pytree import flatten_with_paths  # noqa: E402
 
 MESHES = {"ep": ((2,), ("ep",)), "emb": ((2,), ("emb",)), "ep2_emb1": ((2, 1), ("ep", "emb")),
@@ -220,6 +221,23 @@ def check_gradients(mesh, ids16):
         assert cos < 1e-3, f"{path} ({ids16.shape[1]} tokens): gradient cosine diff {cos:.2e}"
         checked.append(path)
     assert len(checked) == 5, checked
+
+    # the functional AdamW and global-norm clipping over a sharded tree's gradients (DTensor and plain mixed)
+    def opt_step(leaves):
+        params = {k: v.detach() for k, v in leaves.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+        grads = {k: leaves[k].grad if leaves[k].grad is not None else torch.zeros_like(v) for k, v in params.items()}
+        grads, norm = optim.clip_by_global_norm(grads, 0.5)
+        new, _ = optim.adamw_update(grads, optim.adamw_init(params), params, lr=1e-2, cfg=optim.AdamWConfig())
+        return float(norm), new
+    norm_p, _ = opt_step(leaves_p)
+    norm_s, new_s = opt_step(leaves_s)
+    # (the same bf16 rounding noise as above: splitting the experts' input gradient into two summed halves on one
+    # process moves the global norm by ~0.5% too)
+    assert abs(norm_s - norm_p) <= 0.02 * norm_p, (norm_s, norm_p)
+    for path, t in new_s.items():
+        if sharding.is_sharded(leaves_s[path]):
+            assert sharding.is_sharded(t) and t.placements == leaves_s[path].placements, path
+            assert t.to_local().shape == leaves_s[path].to_local().shape, path
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from functional_dsv41 import sharding
+
 _NO_DECAY_KEYS = ("norm", "bias", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale",
                   "hc_head_base", "hc_head_scale", "attn_sink")
 _NO_DECAY_ENGRAM = ("q_weight", "k_weight")   # leaf names under an ``engram`` module (module docstring)
@@ -84,7 +86,20 @@ def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """sqrt(Σ ||g||²) in fp32 over all leaves (the norm ``clip_grad_norm_`` computes)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+    return torch.linalg.vector_norm(torch.stack([_plain(torch.linalg.vector_norm(g.float())) for g in grads.values()]))
+
+
+def _plain(n: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard's norm (functional_dsv41.sharding: a sharded tree's gradients) as a plain tensor."""
+    return n.full_tensor() if sharding.is_sharded(n) else n
+
+
+def _operand(s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The plain 0-dim ``s`` as an operand of ``g``: replicated where ``g`` is a DTensor shard."""
+    if not sharding.is_sharded(g):
+        return s
+    from torch.distributed.tensor import DTensor, Replicate
+    return DTensor.from_local(s, g.device_mesh, [Replicate()] * g.device_mesh.ndim, run_check=False)
 
 
 def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float
@@ -100,7 +115,7 @@ def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float
     if max_norm <= 0:
         return grads, norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return {k: (g * coef).to(g.dtype) for k, g in grads.items()}, norm
+    return {k: (g * _operand(coef, g)).to(g.dtype) for k, g in grads.items()}, norm
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
