@@ -229,6 +229,15 @@ def check_gradients(mesh, ids16):
         grads, norm = optim.clip_by_global_norm(grads, 0.5)
         new, _ = optim.adamw_update(grads, optim.adamw_init(params), params, lr=1e-2, cfg=optim.AdamWConfig())
         return float(norm), new
+    from functional_dsv41.train.checkpoint import TrainCheckpointer
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = {k: v.detach() for k, v in leaves_s.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+        try:
+            TrainCheckpointer(tmp).save(1, params=flat, opt_state=optim.adamw_init(flat), data_state={})
+        except TypeError as e:
+            assert "DTensor shards" in str(e) and "full_params" in str(e), str(e)
+        else:
+            raise AssertionError("a sharded train state was saved")
     norm_p, _ = opt_step(leaves_p)
     norm_s, new_s = opt_step(leaves_s)
     # (the same bf16 rounding noise as above: splitting the experts' input gradient into two summed halves on one

@@ -39,6 +39,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from functional_dsv41 import sharding
+
 # torch dtypes numpy lacks -> the unsigned int type of the same width holding their bits
 _BITS = {torch.bfloat16: torch.uint16, torch.float16: None, torch.float8_e4m3fn: torch.uint8,
          torch.float8_e5m2: torch.uint8, torch.float8_e8m0fnu: torch.uint8}
@@ -179,6 +181,11 @@ class TrainCheckpointer:
             if bad:
                 raise TypeError(f"TrainCheckpointer.save: {what} must be a (nested) dict of tensors; not tensors: "
                                 f"{bad[:5]}")
+            shards = [k for k, v in _flatten(tree).items() if sharding.is_sharded(v)]
+            if shards:
+                raise TypeError(f"TrainCheckpointer.save: {what} holds DTensor shards ({shards[0]}, "
+                                f"functional_dsv41.sharding) and writes one process's full tensors; gather them with "
+                                f"sharding.full_params (a collective: every rank calls it) and save on one rank")
         tensors = {"params": params, "opt": {"mu": opt_state["mu"], "nu": opt_state["nu"]}}
         if rng_state is not None:
             tensors["rng"] = {"torch": rng_state}
