@@ -285,6 +285,11 @@ def _split_dim(t, what: str) -> tuple[int, str]:
     return split[0], t.device_mesh.mesh_dim_names[split[0]]
 
 
+def sum_over_split(t: torch.Tensor, like) -> torch.Tensor:
+    """t (this rank's part of a sum) summed over the mesh dim the DTensor ``like`` is split on: a plain tensor."""
+    return _sum_over(t, like)
+
+
 def _local_rows(weight, ids: torch.Tensor):
     """(local table, local ids with the other ranks' rows sent to row 0, mask of the rows this rank holds)."""
     md, _ = _split_dim(weight, "a row-split table")

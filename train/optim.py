@@ -86,12 +86,26 @@ def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """sqrt(Σ ||g||²) in fp32 over all leaves (the norm ``clip_grad_norm_`` computes)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack([_plain(torch.linalg.vector_norm(g.float())) for g in grads.values()]))
+    plain = [g for g in grads.values() if not sharding.is_sharded(g)]
+    parts = [torch.linalg.vector_norm(g.float()) for g in plain] + _sharded_norms(
+        [g for g in grads.values() if sharding.is_sharded(g)])
+    return torch.linalg.vector_norm(torch.stack(parts))
 
 
-def _plain(n: torch.Tensor) -> torch.Tensor:
-    """A DTensor shard's norm (functional_dsv41.sharding: a sharded tree's gradients) as a plain tensor."""
-    return n.full_tensor() if sharding.is_sharded(n) else n
+def _sharded_norms(shards: list) -> list[torch.Tensor]:
+    """The norms of a sharded tree's DTensor gradients (functional_dsv41.sharding) as plain tensors: one per
+    (mesh, split dim), each rank's local sum of squares summed by one collective per group, in an order every
+    rank shares (not one collective per leaf in dict order, which ranks would have to iterate alike)."""
+    groups: dict = {}
+    for g in shards:
+        key = (id(g.device_mesh), tuple(map(str, g.placements)))
+        local = torch.linalg.vector_norm(g.to_local().float()).square()
+        groups.setdefault(key, [g, []])[1].append(local)
+    out = []
+    for key in sorted(groups, key=lambda k: k[1]):      # placements' text: the same on every rank
+        like, sq = groups[key]
+        out.append(sharding.sum_over_split(torch.stack(sq).sum(), like).sqrt())
+    return out
 
 
 def _operand(s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
