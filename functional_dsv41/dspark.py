@@ -171,7 +171,8 @@ def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor,
     idx [b, M, T] into [main rows ; the M block rows]; qpos [b, M] positions -> x = hc_pre(h, pre) [b, M, dim]."""
     b, M = ids.shape
     eps = cfg.norm_eps
-    h = sharding.embedding(ids, params["embed"]["weight"]).unsqueeze(2).expand(b, M, cfg.hc_mult, cfg.dim).contiguous()
+    h = sharding.embedding(ids, params["embed"]["weight"])          # (= F.embedding; rows may be split)
+    h = h.unsqueeze(2).expand(b, M, cfg.hc_mult, cfg.dim).contiguous()
     pre = torch.zeros(b, M, cfg.hc_mult, dtype=torch.float32, device=ids.device)
     pre[..., 0] = 1.0
     for si, L in enumerate(cfg.dspark_layer_ids):

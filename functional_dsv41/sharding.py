@@ -31,12 +31,12 @@ helpers below, at the places that touch them, and each returns a plain (replicat
   summed over ``ep`` before the usual per-token sum, so each token's outputs are added in the same order as on one
   rank (``dispatch="dense"`` sums each rank's partial sums instead: the same values to rounding).
 
-With the sorted dispatch each of these sums has exactly one nonzero term per element, so a sharded forward gives
-the plain tree's values (tests/test_sharding.py asserts the logits equal). Gradients flow under ``torch.autograd``:
-the split leaves are leaves of their own (``.grad`` a DTensor of the same split), and the replicated inputs of a
-split computation (the tokens entering the experts or the head) have their gradient summed over the split dim in
-the backward (``_enter``), so every rank holds the whole gradient of every replicated leaf. ``torch.func``
-transforms over DTensor trees are not supported (DTensor has no functorch rules; ``forward`` refuses them); ``save_params`` and
+With the sorted dispatch each of these sums has exactly one nonzero term per element, so a sharded forward gives the
+plain tree's values (tests/test_sharding.py asserts the logits equal). Gradients flow under ``torch.autograd``: the
+split leaves are leaves of their own (``.grad`` a DTensor of the same split), and the replicated inputs of a split
+computation (the tokens entering the experts or the head) have their gradient summed over the split dim in the
+backward (``_enter``), so every rank holds the whole gradient of every replicated leaf. ``torch.func`` transforms
+over DTensor trees are not supported (DTensor has no functorch rules; ``forward`` refuses them); ``save_params`` and
 ``tree_diff`` refuse a sharded tree and point to ``full_params``.
 """
 from __future__ import annotations

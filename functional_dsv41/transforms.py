@@ -31,10 +31,10 @@ def vmapped(t: torch.Tensor) -> bool:
 
 
 def check_unsharded(params: dict) -> None:
-    """Under a torch.func transform (forward and the DSpark functions call it only there): refuse a sharded tree by name. DTensor's
-    from_local / to_local are autograd.Functions without functorch rules, and a transform's wrapper hides the
-    DTensor from ``sharding``'s helpers, so the forward failed deep inside torch ("got mixed torch.Tensor and
-    DTensor"). Host-only."""
+    """Under a torch.func transform (forward and the DSpark functions call it only there): refuse a sharded tree
+    by name. DTensor's from_local / to_local are autograd.Functions without functorch rules, and a transform's
+    wrapper hides the DTensor from ``sharding``'s helpers, so the forward failed deep inside torch ("got mixed
+    torch.Tensor and DTensor"). Host-only."""
     from . import sharding
     ft = torch._C._functorch
     # only the leaves sharding.plan splits (a per-layer look, not a walk over every expert leaf each step)

@@ -152,7 +152,8 @@ def main():
         assert not os.listdir(tmp)
     refused(lambda: fd.tree_diff(params, sh), ["tree_diff (b)", "DTensor shard", "full_params"])
     try:
-        torch.func.vmap(lambda i: fd.forward(sh, {"input_ids": i}, cfg=cfg, dispatch="dense", validate=False).logits)(ids[:, None])
+        torch.func.vmap(lambda i: fd.forward(sh, {"input_ids": i}, cfg=cfg, dispatch="dense",
+                                             validate=False).logits)(ids[:, None])
     except NotImplementedError as e:
         assert "sharded tree" in str(e) and "DTensor shard" in str(e), str(e)
     else:
