@@ -90,11 +90,33 @@ def tiny_model(seed, master=False, **overrides):
     return cfg, params
 
 
+def released_checkpoint(mesh, folder):
+    """A checkpoint in the released layout (load_params: packed expert views, the tokenizer's token map), sharded
+    over both dims: the same logits, and fd.generate - plain and DSpark-speculative - gives the same tokens."""
+    cfg = fd.Config.from_json(Path(folder) / "config.json")
+    params = fd.load_params(folder, cfg)
+    sh = sharding.shard_params(params, mesh)
+    ids = torch.tensor([[5, 17, 300, 2, 41, 99, 7]])
+    assert torch.equal(fd.forward(sh, {"input_ids": ids}, cfg=cfg).logits,
+                       fd.forward(params, {"input_ids": ids}, cfg=cfg).logits), "checkpoint logits differ"
+    for spec in (False, True):
+        want = fd.generate(params, [[5, 17, 300]], cfg=cfg, max_new_tokens=5, speculative=spec)
+        got = fd.generate(sh, [[5, 17, 300]], cfg=cfg, max_new_tokens=5, speculative=spec)
+        assert list(got) == list(want), f"generate(speculative={spec}): {list(got)} vs {list(want)}"
+
+
 def main():
     rank, world, port, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    if scenario == "checkpoint":                # argv[5]: a fixture folder in the released layout
+        released_checkpoint(init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "emb")), sys.argv[5])
+        released_checkpoint(init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "emb")), sys.argv[5])
+        print(f"ok {scenario}", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     sizes, names = MESHES[scenario]
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
     uneven_rows(mesh)

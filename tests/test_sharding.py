@@ -20,6 +20,8 @@ import functional_dsv41 as fd
 from functional_dsv41 import sharding
 from functional_dsv41.params import CheckpointError
 
+from conftest import fixture_dir
+
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 
 
@@ -29,13 +31,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available in this build")
+NO_GLOO = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                             reason="torch.distributed with gloo is not available in this build")
+
+
+@NO_GLOO
 @pytest.mark.parametrize("scenario", ["ep", "emb", "ep2_emb1", "ep1_emb2"])
 def test_sharded_tree_runs_like_the_plain_one(scenario):
+    _run_ranks(scenario)
+
+
+@NO_GLOO
+def test_sharded_release_layout_checkpoint_generates_like_the_plain_one():
+    """tiny-fp8 as load_params gives it, over (ep 2, emb 1) and (ep 1, emb 2): logits, generate, speculative."""
+    _run_ranks("checkpoint", str(fixture_dir("tiny-fp8")))
+
+
+def _run_ranks(scenario, *extra):
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, scenario], env=env,
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, scenario, *extra], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = []
     for p in procs:
