@@ -108,16 +108,21 @@ def _chunk_range(rows: int, n: int, c: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
-def _shard_rows(t: torch.Tensor, mesh, name: str, dim: int = 0):
-    """t (the full tensor, on every rank) -> DTensor Shard(dim) over mesh dim ``name`` holding this rank's rows."""
-    DTensor, _, _, Shard = _dtensor()
+def _shard_rows(t: torch.Tensor, mesh, name: str):
+    """t (the full tensor, on every rank) -> DTensor Shard(0) over mesh dim ``name`` holding this rank's rows."""
     md = _mesh_dim(mesh, name)
-    start, stop = _chunk_range(t.shape[dim], mesh.size(md), mesh.get_local_rank(md))
-    # (detached: the shard is a new leaf of its own, with the full tensor's requires_grad; its .grad is a DTensor)
-    local = t.detach().narrow(dim, start, stop - start).contiguous()
-    stride = torch.empty(t.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, _placements(mesh, name, Shard(dim)), run_check=False,
-                              shape=t.shape, stride=stride).requires_grad_(t.requires_grad)
+    start, stop = _chunk_range(t.shape[0], mesh.size(md), mesh.get_local_rank(md))
+    return _rows_from_local(t.narrow(0, start, stop - start), t.shape[0], mesh, name)
+
+
+def _rows_from_local(local: torch.Tensor, rows: int, mesh, name: str):
+    """This rank's rows ``local`` (already cut) of a [rows, ...] tensor -> the DTensor Shard(0) over ``name``:
+    detached, a new leaf of its own with ``local``'s requires_grad (its .grad a DTensor of the same split)."""
+    DTensor, _, _, Shard = _dtensor()
+    shape = torch.Size((rows, *local.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.detach().contiguous(), mesh, _placements(mesh, name, Shard(0)), run_check=False,
+                              shape=shape, stride=stride).requires_grad_(local.requires_grad)
 
 
 def _stack(ts: list) -> torch.Tensor:
@@ -158,19 +163,26 @@ def shard_params(params: dict, mesh) -> dict:
     todo = plan(params, names)
 
     def experts(node, path):
+        md = _mesh_dim(mesh, "ep")
+        ep = mesh.size(md)
         if isinstance(node, dict):
             if any(is_sharded(t) for t in _leaves(node)):
                 raise ValueError(f"shard_params: {path} is sharded already")
-            stacked = node
+            n_exp = _n_experts(node, path)
         elif isinstance(node, list) and node and all(isinstance(e, dict) for e in node):
-            stacked = stack_experts(node, path)
+            n_exp = len(node)
         else:
             raise ValueError(f"shard_params: {path} must be a list of expert dicts, got {type(node).__name__}")
-        n_exp = _n_experts(stacked, path)
-        ep = mesh.size(_mesh_dim(mesh, "ep"))
         if n_exp % ep:
             raise ValueError(f"shard_params: {path} has {n_exp} routed experts, not divisible over ep={ep}")
-        return {proj: {leaf: _shard_rows(t, mesh, "ep") for leaf, t in d.items()} for proj, d in stacked.items()}
+        if isinstance(node, dict):
+            return {proj: {leaf: _shard_rows(t, mesh, "ep") for leaf, t in d.items()} for proj, d in node.items()}
+        # the list: every expert checked, only this rank's stacked (not a transient copy of all E per layer)
+        check_experts(node, path)
+        start, stop = _chunk_range(n_exp, ep, mesh.get_local_rank(md))
+        mine = stack_experts(node[start:stop], path)
+        return {proj: {leaf: _rows_from_local(t, n_exp, mesh, "ep") for leaf, t in d.items()}
+                for proj, d in mine.items()}
 
     def walk(node, path):
         if path in todo and path.endswith("experts"):
@@ -209,6 +221,13 @@ def _n_experts(stacked: dict, path: str) -> int:
 def stack_experts(experts: list, path: str = "experts") -> dict:
     """[{proj: {leaf: t}}] * E -> {proj: {leaf: [E, ...]}} (the stacked form); every expert must have the same
     projections, leaves, shapes and dtypes."""
+    check_experts(experts, path)
+    first = experts[0]
+    return {p: {leaf: _stack([ex[p][leaf] for ex in experts]) for leaf in first[p]} for p in first}
+
+
+def check_experts(experts: list, path: str = "experts") -> None:
+    """Raise ValueError unless every expert has expert 0's projections, leaves, shapes and dtypes."""
     first = experts[0]
     for e, ex in enumerate(experts):
         if ex.keys() != first.keys() or any(ex[p].keys() != first[p].keys() for p in first):
@@ -219,7 +238,6 @@ def stack_experts(experts: list, path: str = "experts") -> dict:
                 if o.shape != t.shape or o.dtype != t.dtype:
                     raise ValueError(f"{path}.{e}.{p}.{leaf}: {o.dtype} {tuple(o.shape)} differs from expert 0's "
                                      f"{t.dtype} {tuple(t.shape)}")
-    return {p: {leaf: _stack([ex[p][leaf] for ex in experts]) for leaf in first[p]} for p in first}
 
 
 def unstack_experts(stacked: dict) -> list:
