@@ -102,7 +102,7 @@ def dspark_prefill(params: dict, main_hidden: torch.Tensor, *, cfg: Config, stat
     accepted positions' main_hidden. Returns the state with new ``dspark`` rings and
     ``dspark_pos = state.pos`` (everything else shared).
     """
-    _check_unsharded(params)
+    transforms.check_unsharded(params)
     _check_hidden(main_hidden, cfg, "dspark_prefill")
     _check_state(params, state, cfg, main_hidden.shape[0], "dspark_prefill")
     s = main_hidden.shape[1]
@@ -157,12 +157,6 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
     return output_projection(p, o, rot, cfg=cfg, mode=mode, impl=impl)
-
-
-def _check_unsharded(params: dict) -> None:
-    """Inside a torch.func transform: refuse a sharded tree by name, as ``forward`` does (transforms.py)."""
-    if torch._C._functorch.maybe_current_level() is not None:
-        transforms.check_unsharded(params)
 
 
 def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,
@@ -269,7 +263,7 @@ def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Te
     Returns ``Draft(out_ids, logits, confidence, state)``.
     ``debug`` receives ``stage.{s}.*`` tensors named like the golden ``decode.{k}.spec.*``.
     """
-    _check_unsharded(params)
+    transforms.check_unsharded(params)
     _check_hidden(main_hidden_p, cfg, "dspark_draft")
     last = last_token.reshape(-1).long()
     b = last.shape[0]
@@ -340,7 +334,7 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     ``mode``/``dispatch``/``qdq`` as in ``forward`` (qdq=False: no fp8 KV QDQ, the smooth model).
     Cost: n*B draft queries; pass a subset of anchors for long rows (logits are n*B*V fp32).
     """
-    _check_unsharded(params)
+    transforms.check_unsharded(params)
     _check_hidden(main_hidden, cfg, "dspark_forward")
     if input_ids.dim() != 2 or input_ids.shape != main_hidden.shape[:2]:
         raise ValueError(f"dspark_forward: input_ids {tuple(input_ids.shape)} must be [b, S] matching "

@@ -329,8 +329,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     _check_state(state)
     _check_batch(batch)
     _check_ids(batch)
-    if torch._C._functorch.maybe_current_level() is not None:     # inside a torch.func transform
-        transforms.check_unsharded(params)
+    transforms.check_unsharded(params)          # (inside a torch.func transform only)
     if transforms.under_vmap():
         impl = transforms.check_vmap(params, batch, cfg, state, validate=validate, dispatch=dispatch, impl=impl)
     if validate:

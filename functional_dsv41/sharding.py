@@ -108,10 +108,15 @@ def _chunk_range(rows: int, n: int, c: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
+def _my_rows(rows: int, mesh, md: int) -> tuple[int, int]:
+    """[start, stop) of the rows this rank holds of ``rows`` split over mesh dim ``md``."""
+    return _chunk_range(rows, mesh.size(md), mesh.get_local_rank(md))
+
+
 def _shard_rows(t: torch.Tensor, mesh, name: str):
     """t (the full tensor, on every rank) -> DTensor Shard(0) over mesh dim ``name`` holding this rank's rows."""
     md = _mesh_dim(mesh, name)
-    start, stop = _chunk_range(t.shape[0], mesh.size(md), mesh.get_local_rank(md))
+    start, stop = _my_rows(t.shape[0], mesh, md)
     return _rows_from_local(t.narrow(0, start, stop - start), t.shape[0], mesh, name)
 
 
@@ -132,26 +137,29 @@ def _stack(ts: list) -> torch.Tensor:
     return torch.stack(ts)
 
 
+def split_parts(params: dict):
+    """(path, mesh dim, node) of every part ``shard_params`` may split, whatever the mesh: the vocabulary rows of
+    ``embed.weight`` / ``head.weight`` and the Engram tables' rows (``emb``), each MoE layer's ``experts``
+    (backbone and DSpark stages; the list, stacked or split form) (``ep``)."""
+    for top in ("embed", "head"):
+        if isinstance(params.get(top), dict) and "weight" in params[top]:
+            yield f"{top}.weight", "emb", params[top]["weight"]
+    for i, layer in enumerate(params.get("layers") or ()):
+        table = layer.get("engram", {}).get("embed") if isinstance(layer, dict) else None
+        for leaf in ("weight", "scale"):
+            if isinstance(table, dict) and table.get(leaf) is not None:
+                yield f"layers.{i}.engram.embed.{leaf}", "emb", table[leaf]
+    for group in ("layers", "mtp"):
+        for i, layer in enumerate(params.get(group) or ()):
+            if isinstance(layer, dict) and isinstance(layer.get("ffn"), dict) and "experts" in layer["ffn"]:
+                yield f"{group}.{i}.ffn.experts", "ep", layer["ffn"]["experts"]
+
+
 def plan(params: dict, mesh_dims=MESH_DIMS) -> dict[str, str]:
     """{path or path prefix: mesh dim} of what ``shard_params`` splits for a mesh with ``mesh_dims``:
     ``"...experts"`` (a MoE layer's routed experts, stacked) over ``ep``; vocabulary and Engram table rows over
     ``emb``. Paths not listed are replicated."""
-    out = {}
-    if "emb" in mesh_dims:
-        for top in ("embed", "head"):
-            if isinstance(params.get(top), dict) and "weight" in params[top]:
-                out[f"{top}.weight"] = "emb"
-        for i, layer in enumerate(params.get("layers", [])):
-            table = layer.get("engram", {}).get("embed") if isinstance(layer, dict) else None
-            for leaf in ("weight", "scale"):
-                if isinstance(table, dict) and table.get(leaf) is not None:
-                    out[f"layers.{i}.engram.embed.{leaf}"] = "emb"
-    if "ep" in mesh_dims:
-        for group in ("layers", "mtp"):
-            for i, layer in enumerate(params.get(group, [])):
-                if isinstance(layer, dict) and isinstance(layer.get("ffn"), dict) and "experts" in layer["ffn"]:
-                    out[f"{group}.{i}.ffn.experts"] = "ep"
-    return out
+    return {path: dim for path, dim, _ in split_parts(params) if dim in mesh_dims}
 
 
 def shard_params(params: dict, mesh) -> dict:
@@ -179,7 +187,7 @@ def shard_params(params: dict, mesh) -> dict:
             return {proj: {leaf: _shard_rows(t, mesh, "ep") for leaf, t in d.items()} for proj, d in node.items()}
         # the list: every expert checked, only this rank's stacked (not a transient copy of all E per layer)
         check_experts(node, path)
-        start, stop = _chunk_range(n_exp, ep, mesh.get_local_rank(md))
+        start, stop = _my_rows(n_exp, mesh, md)
         mine = stack_experts(node[start:stop], path)
         return {proj: {leaf: _rows_from_local(t, n_exp, mesh, "ep") for leaf, t in d.items()}
                 for proj, d in mine.items()}
@@ -273,8 +281,8 @@ def full_params(params: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- what the model calls
-def _sum_over(t: torch.Tensor, like) -> torch.Tensor:
-    """t (this rank's partial values) summed over the mesh dim ``like`` (a DTensor) is sharded on: plain tensor."""
+def sum_over_split(t: torch.Tensor, like) -> torch.Tensor:
+    """t (this rank's part of a sum) summed over the mesh dim the DTensor ``like`` is split on: a plain tensor."""
     DTensor, Partial, _, _ = _dtensor()
     _, name = _split_dim(like, "a sum over a mesh dim")
     return DTensor.from_local(t, like.device_mesh, _placements(like.device_mesh, name, Partial()),
@@ -286,11 +294,16 @@ def _enter(t: torch.Tensor, like) -> torch.Tensor:
     sharded on: the same values; in the backward its gradient (each rank's part) is summed over that dim."""
     if not t.requires_grad:
         return t
-    DTensor, Partial, Replicate, _ = _dtensor()
+    _, Partial, _, _ = _dtensor()
     _, name = _split_dim(like, "a split computation's input")
-    mesh = like.device_mesh
-    rep = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return rep.to_local(grad_placements=_placements(mesh, name, Partial()))
+    return replicated(t, like).to_local(grad_placements=_placements(like.device_mesh, name, Partial()))
+
+
+def replicated(t: torch.Tensor, like) -> torch.Tensor:
+    """The plain tensor ``t`` (the same on every rank) as a DTensor replicated over ``like``'s mesh: an operand
+    that DTensor ops take beside ``like``."""
+    DTensor, _, Replicate, _ = _dtensor()
+    return DTensor.from_local(t, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
 
 
 def _split_dim(t, what: str) -> tuple[int, str]:
@@ -303,16 +316,11 @@ def _split_dim(t, what: str) -> tuple[int, str]:
     return split[0], t.device_mesh.mesh_dim_names[split[0]]
 
 
-def sum_over_split(t: torch.Tensor, like) -> torch.Tensor:
-    """t (this rank's part of a sum) summed over the mesh dim the DTensor ``like`` is split on: a plain tensor."""
-    return _sum_over(t, like)
-
-
 def _local_rows(weight, ids: torch.Tensor):
     """(local table, local ids with the other ranks' rows sent to row 0, mask of the rows this rank holds)."""
     md, _ = _split_dim(weight, "a row-split table")
     mesh = weight.device_mesh
-    start, stop = _chunk_range(weight.shape[0], mesh.size(md), mesh.get_local_rank(md))
+    start, stop = _my_rows(weight.shape[0], mesh, md)
     mine = (ids >= start) & (ids < stop)
     return weight.to_local(), torch.where(mine, ids - start, 0), mine
 
@@ -326,7 +334,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         part = torch.zeros(*ids.shape, weight.shape[1], dtype=weight.dtype, device=ids.device)
     else:
         part = torch.where(mine[..., None], F.embedding(lid, local), 0)
-    return _sum_over(part, weight)
+    return sum_over_split(part, weight)
 
 
 def take_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -345,7 +353,7 @@ def take_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         part = local.new_zeros(ids.shape[0], *local.shape[1:])
     else:
         part = torch.where(mine.view(-1, *[1] * (local.ndim - 1)), local.index_select(0, lid), 0)
-    whole = _sum_over(part, table)
+    whole = sum_over_split(part, table)
     return whole.view(table.dtype) if one_byte else whole
 
 
@@ -372,14 +380,19 @@ def local_experts(node) -> tuple[list, int, int]:
         return node, 0, len(node)
     if not isinstance(node, dict) or not node:
         raise TypeError(f"moe: experts must be a list of expert dicts or the stacked form, got {type(node).__name__}")
-    leaf = next(iter(next(iter(node.values())).values()))
+    leaf = _first_leaf(node)
     if not is_sharded(leaf):
         return unstack_experts(node), 0, leaf.shape[0]
     md, _ = _split_dim(leaf, "the routed experts")
     mesh = leaf.device_mesh
-    start, _ = _chunk_range(leaf.shape[0], mesh.size(md), mesh.get_local_rank(md))
+    start, _ = _my_rows(leaf.shape[0], mesh, md)
     local = {p: {name: t.to_local() for name, t in d.items()} for p, d in node.items()}
     return unstack_experts(local), start, leaf.shape[0]
+
+
+def _first_leaf(stacked: dict) -> torch.Tensor:
+    """A tensor of the stacked experts form ({proj: {leaf: [E, ...]}}): all of them share its split."""
+    return next(iter(next(iter(stacked.values())).values()))
 
 
 def expert_inputs(tensors: tuple, node) -> tuple:
@@ -387,7 +400,7 @@ def expert_inputs(tensors: tuple, node) -> tuple:
     split over ``ep``, their gradients are summed over ``ep`` in the backward (each rank sees its experts' part)."""
     if isinstance(node, list):
         return tensors
-    leaf = next(iter(next(iter(node.values())).values()))
+    leaf = _first_leaf(node)
     return tuple(_enter(t, leaf) for t in tensors) if is_sharded(leaf) else tensors
 
 
@@ -408,5 +421,5 @@ def sum_experts(t: torch.Tensor, node) -> torch.Tensor:
     identity for a plain (list or stacked) ``experts``."""
     if isinstance(node, list):
         return t
-    leaf = next(iter(next(iter(node.values())).values()))
-    return _sum_over(t, leaf) if is_sharded(leaf) else t
+    leaf = _first_leaf(node)
+    return sum_over_split(t, leaf) if is_sharded(leaf) else t

@@ -31,35 +31,26 @@ def vmapped(t: torch.Tensor) -> bool:
 
 
 def check_unsharded(params: dict) -> None:
-    """Under a torch.func transform (forward and the DSpark functions call it only there): refuse a sharded tree
-    by name. DTensor's from_local / to_local are autograd.Functions without functorch rules, and a transform's
-    wrapper hides the DTensor from ``sharding``'s helpers, so the forward failed deep inside torch ("got mixed
-    torch.Tensor and DTensor"). Host-only."""
-    from . import sharding
+    """Inside a torch.func transform (forward and the DSpark functions call it; outside one it returns at once):
+    refuse a sharded tree by name. DTensor's from_local / to_local are autograd.Functions without functorch rules,
+    and a transform's wrapper hides the DTensor from ``sharding``'s helpers, so the forward failed deep inside
+    torch ("got mixed torch.Tensor and DTensor"). Host-only."""
     ft = torch._C._functorch
-    # only the leaves sharding.plan splits (a per-layer look, not a walk over every expert leaf each step)
-    candidates = {f"{top}.weight": params.get(top, {}).get("weight") for top in ("embed", "head")
-                  if isinstance(params.get(top), dict)}
-    for group in ("layers", "mtp"):
-        for i, layer in enumerate(params.get(group) or ()):
-            if not isinstance(layer, dict):
-                continue
-            table = (layer.get("engram") or {}).get("embed") if isinstance(layer.get("engram"), dict) else None
-            if isinstance(table, dict):
-                candidates[f"{group}.{i}.engram.embed.weight"] = table.get("weight")
-            experts = (layer.get("ffn") or {}).get("experts") if isinstance(layer.get("ffn"), dict) else None
-            if isinstance(experts, dict):           # the stacked form (a sharded tree's); the list is never split
-                for proj, d in experts.items():
-                    for leaf, t in (d.items() if isinstance(d, dict) else ()):
-                        candidates[f"{group}.{i}.ffn.experts.{proj}.{leaf}"] = t
-    for path, t in candidates.items():
-        while isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
-            t = ft.get_unwrapped(t)
-        if sharding.is_sharded(t):
-            raise NotImplementedError(
-                f"forward: torch.func transforms (grad, vjp, jvp, vmap) over a sharded tree are not supported: "
-                f"{path} is a DTensor shard (sharding.shard_params), and DTensor has no functorch rules; "
-                f"differentiate with torch.autograd (loss.backward()) or transform the plain tree")
+    if ft.maybe_current_level() is None:
+        return
+    from . import sharding
+    for path, _, node in sharding.split_parts(params):
+        if isinstance(node, list):        # the released list of experts is never split (a per-step walk saved)
+            continue
+        for leaf, t in (flatten_with_paths(node).items() if isinstance(node, dict) else (("", node),)):
+            while isinstance(t, torch.Tensor) and ft.is_functorch_wrapped_tensor(t):
+                t = ft.get_unwrapped(t)
+            if sharding.is_sharded(t):
+                raise NotImplementedError(
+                    f"forward: torch.func transforms (grad, vjp, jvp, vmap) over a sharded tree are not supported: "
+                    f"{path + ('.' + leaf if leaf else '')} is a DTensor shard (sharding.shard_params), and DTensor "
+                    f"has no functorch rules; differentiate with torch.autograd (loss.backward()) or transform the "
+                    f"plain tree")
 
 
 def _tensors(x):

@@ -108,14 +108,6 @@ def _sharded_norms(shards: list) -> list[torch.Tensor]:
     return out
 
 
-def _operand(s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The plain 0-dim ``s`` as an operand of ``g``: replicated where ``g`` is a DTensor shard."""
-    if not sharding.is_sharded(g):
-        return s
-    from torch.distributed.tensor import DTensor, Replicate
-    return DTensor.from_local(s, g.device_mesh, [Replicate()] * g.device_mesh.ndim, run_check=False)
-
-
 def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float
                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Scale grads so their global norm is at most ``max_norm`` (<= 0: no clipping).
@@ -129,7 +121,9 @@ def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float
     if max_norm <= 0:
         return grads, norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return {k: (g * _operand(coef, g)).to(g.dtype) for k, g in grads.items()}, norm
+    def scaled(g):              # (a sharded tree's DTensor gradient takes the coefficient replicated)
+        return (g * (sharding.replicated(coef, g) if sharding.is_sharded(g) else coef)).to(g.dtype)
+    return {k: scaled(g) for k, g in grads.items()}, norm
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
