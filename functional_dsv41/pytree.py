@@ -272,8 +272,9 @@ def tree_diff(a, b, *, atol: Optional[float] = None) -> TreeDiff:
     fa, fb = _flatten(a, "tree_diff (a)"), _flatten(b, "tree_diff (b)")
     from . import sharding
     for side, flat in (("a", fa), ("b", fb)):
-        if any(sharding.is_sharded(v) for v in flat.values()):     # (stacked experts compare: other paths)
-            raise ValueError(sharding.refusal(flat, f"tree_diff ({side})"))
+        why = sharding.refusal(flat, f"tree_diff ({side})", stacked=False)   # (stacked experts compare: other paths)
+        if why:
+            raise ValueError(why)
     rows = []
     for path in list(fa) + [p for p in fb if p not in fa]:
         if path not in fb:

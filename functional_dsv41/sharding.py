@@ -65,17 +65,18 @@ def is_sharded(t: Any) -> bool:
 _STACKED_EXPERTS = re.compile(r"(.*\.experts)\.[^.\d][^.]*\.[^.]+")   # ...experts.w1.weight (no expert id)
 
 
-def refusal(flat: dict, what: str) -> Optional[str]:
-    """The reason ``what`` (a function that needs the released layout on one process: save_params, tree_diff)
-    cannot take a flattened tree, or None: DTensor shards, or experts in the stacked form."""
+def refusal(flat: dict, what: str, *, stacked: bool = True) -> Optional[str]:
+    """The reason ``what`` (a function that needs whole tensors on one process: save_params, tree_diff) cannot
+    take a flattened tree, or None: DTensor shards, or (``stacked``: it needs the released layout) experts in the
+    stacked form."""
     shards = [k for k, v in flat.items() if is_sharded(v)]
     if shards:
         more = f" (and {len(shards) - 1} more)" if len(shards) > 1 else ""
         return (f"{what}: {shards[0]}{more} is a DTensor shard (sharding.shard_params): pass "
                 f"sharding.full_params(tree) (a collective: every rank calls it) instead")
-    stacked = sorted({m[1] for k in flat if (m := _STACKED_EXPERTS.fullmatch(k))})
-    if stacked:
-        return (f"{what}: {stacked[0]} holds its experts in the stacked form (sharding.stack_experts); the "
+    forms = sorted({m[1] for k in flat if (m := _STACKED_EXPERTS.fullmatch(k))}) if stacked else []
+    if forms:
+        return (f"{what}: {forms[0]} holds its experts in the stacked form (sharding.stack_experts); the "
                 f"released layout lists them one by one: pass sharding.full_params(tree) instead")
     return None
 
