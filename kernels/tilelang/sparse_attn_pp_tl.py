@@ -87,14 +87,17 @@ from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32
 
 
-def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1) -> int:
-    """fwd_kernel_pp's shared memory in bytes: Q, two KV stages, P of both blocks of a pair, the index row(s)."""
-    return (H + 2 * BI) * D * 2 + 2 * H * BI * 2 + rows * TP * 4 + 4 * H * 4
+def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = False) -> int:
+    """fwd_kernel_pp's shared memory in bytes: Q, two KV stages, P of both blocks of a pair, the index row(s)
+    (o_in_p: and a third 64 x 64 bf16 piece of O where D = 512)."""
+    return ((H + 2 * BI) * D * 2 + 2 * H * BI * 2 + rows * TP * 4 + 4 * H * 4
+            + (H * 64 * 2 if o_in_p and D // 128 > 3 else 0))
 
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (216, 72), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
+                  early_sum: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -132,6 +135,18 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     mean error is 1.00-1.07x the release numerics', run 69), with most of the ~256 FMULs a thread spends on O
     rescales per pair gone.
 
+    ``late_s0`` (persistent only): consumer 0 issues the next query's first QK after its epilogue has issued the O
+    store, not before the epilogue, and waits for the store's reads only after that QK is issued: the QK's waits
+    (the next Q, stage 0's gathers) then pass under the store's reads instead of delaying the epilogue, which is on
+    the path to stage 1's next gather and consumer 1's next S1. ``o_in_p`` (with ``late_s0``): only O_L's last 64
+    columns go through stage 1 (stored first, then freed once read, while the others are written); the others
+    through P0, P1 and a 64 x 64 buffer (D = 512), free then until consumer 0's next P0 (it waits for their reads
+    first) and consumer 1's next P1 (``p_free1`` of the query's last pair arrives after those reads). Stage 1's
+    left half is then free after one 8 KB read instead of 32 KB. ``early_sum`` (persistent): each consumer publishes
+    its row sums as soon as they are final (consumer 0 after its last rescale, consumer 1 once its last P0 V0 is
+    done) instead of after its last P V, so consumer 1's epilogue, and its half of stage 1, no longer wait for
+    consumer 0's last P V. All three: the same arithmetic, the same bits.
+
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
@@ -145,16 +160,25 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: D must be a multiple of 128, <= 512")
     if TP % (2 * BI) or BI % 16 or BI > 64:
         raise ValueError("fwd_kernel_pp: TP a multiple of 2*BI, BI a multiple of 16 up to 64")
-    if _pp_smem(H, D, TP, BI, 2 if ctas else 1) > 227 * 1024 - 2048:
+    if _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
     if diag not in ("", "compute", "nosoftmax", "trace"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
+    if late_s0 and not ctas:
+        raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
+    if early_sum and not ctas:
+        raise ValueError("fwd_kernel_pp: early_sum needs the persistent grid (ctas > 0)")
+    if o_in_p and not (late_s0 and BI == 64):
+        raise ValueError("fwd_kernel_pp: o_in_p needs late_s0 (and BI = 64: a P buffer holds 64 x 64 of O)")
     if not 0 <= lazy <= 16:
         raise ValueError(f"fwd_kernel_pp: lazy must be in [0, 16] (log2 units; P <= 2^lazy in bf16), got {lazy!r}")
     P = ctas > 0
+    LS = bool(late_s0)
+    OP = bool(o_in_p)
+    ES = bool(early_sum)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -164,6 +188,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if TR and NP > 5:
         raise ValueError("fwd_kernel_pp: diag='trace' keeps 12 stamps a pair in the 64 LSE slots: TP <= 640")
     DH = D // 2
+    OPJ = tuple(range(DH // 64 - 1))    # o_in_p: O_L's pieces of 64 columns outside stage 1 (P0, P1, o_s)
     c = float(scale) * LOG2E
     factor, probs = softmax_macros(H, BI, c, lazy=LZ)   # lazy: a is exactly 1.0 where the max did not move
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
@@ -178,7 +203,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
-    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, free, Sink, O, Lse, bi, mi, t0s):
+    def epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, p_s, o_s, free, Sink, O, Lse, bi, mi, t0s):
         """Consumer w, after both row sums are in sum_s and every WGMMA on q_s is done: l += the peer's sum + the
         sink exp2(sink log2e - c m); O[:, half w] = acc_o / l through shared memory and one TMA store; w == 0 stores
         LSE = log2(l) + c m. O goes through q_s (one CTA a query) or, persistent (q_s may hold the next query's Q
@@ -190,19 +215,53 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             acc_o[h, d] /= l[h]
         if w == 0:                                      # trace: the last pair's free consumer-0 slots
             stamp(12 * (NP - 1) + 5, t0s, Lse, bi, mi)
-        # staged in q_s[0] (one CTA a query) or kv_s[1] (persistent); not bound to a name, which TileLang would
-        # give the buffer in the generated code
-        T.copy(acc_o, (kv_s if P else q_s)[int(P), :, w * DH:(w + 1) * DH])
-        if w == 0:
-            stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
-        T.copy((kv_s if P else q_s)[int(P), :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])  # TMA (run 66)
-        if P:
-            T.sync_threads(3 + w, 128)                  # the store's reads are done (its issuing thread waited)
-            T.barrier_arrive(free[2 + w])
+        if OP and w == 0:
+            # o_in_p: only O_L's last 64 columns go through stage 1 (stored first, its own bulk group), the others
+            # through P0, P1 (free until this consumer's next P0 and consumer 1's next P1) and o_s
+            T.copy(acc_o[:, DH - 64:DH], kv_s[1, :, DH - 64:DH])
+            T.tma_copy(kv_s[1, :, DH - 64:DH], O[bi, mi, :, DH - 64:DH])
+            for j in OPJ:
+                if j < 2:
+                    T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :])
+                else:
+                    T.copy(acc_o[:, j * 64:(j + 1) * 64], o_s)
+            if w == 0:
+                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+            T.tma_store_wait(0)                         # the stage's piece is read (under the writes above):
+            T.barrier_arrive(free[2 + w])               # stage 1's left half is free for the next query
+            for j in OPJ:
+                if j < 2:
+                    T.tma_copy(p_s[j, :, :], O[bi, mi, :, j * 64:(j + 1) * 64])
+                else:
+                    T.tma_copy(o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
+        elif LS:                                        # the store's reads are waited for in release_o
+            T.copy(acc_o, kv_s[1, :, w * DH:(w + 1) * DH])
+            if w == 0:
+                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+            T.tma_copy(kv_s[1, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+        else:
+            # staged in q_s[0] (one CTA a query) or kv_s[1] (persistent); not bound to a name, which TileLang would
+            # give the buffer in the generated code
+            T.copy(acc_o, (kv_s if P else q_s)[int(P), :, w * DH:(w + 1) * DH])
+            if w == 0:
+                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+            T.copy((kv_s if P else q_s)[int(P), :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])  # TMA
+            if P:
+                T.sync_threads(3 + w, 128)              # the store's reads are done (its issuing thread waited)
+                T.barrier_arrive(free[2 + w])
         if w == 0 and not TR:
             for h in T.Parallel(H):
                 ls[h] = T.log2(l[h]) + m[h] * c
             T.copy(ls, Lse[bi, mi, :])
+
+    @T.macro
+    def release_o(w, free):
+        """late_s0: stage 1's half w is free once the O store issued by the epilogue has read it. Only the issuing
+        thread has a bulk group to wait for; each thread arrives after its own wait, so the phase completes after
+        the issuer's."""
+        if not (OP and w == 0):                         # (o_in_p: the epilogue freed it already)
+            T.tma_store_wait(0)
+            T.barrier_arrive(free[2 + w])
 
     @T.macro
     def gather_half(tp, j, s, h, kv_s, idx_s, ib, src, KV, bi):
@@ -306,7 +365,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
+                  free, bar_p0, bar_p1, p_free0, p_free1, bar_end, sum_s, t0s, Lse, bi, mi):
         """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
         ib = k % NB
         if not P:                                       # persistent: issued before the previous query's epilogue
@@ -321,6 +380,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             softmax(acc_s, m, m0, a, ls, l, vote)       # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
             scale_o(acc_o, a, vote)                     # O_L under m0
             T.barrier_wait(p_free0, (gp % 2) ^ 1)      # consumer 1 is done with P0 of the pair before
+            if OP:                                      # the previous query's O pieces in P0, P1 are read
+                if i == 0:
+                    if k > 0:                           # (only the store's issuer waits: the others wait for it)
+                        T.tma_store_wait(0)
+                        T.sync_threads(3, 128)
+                        T.barrier_arrive(p_free1)       # (the previous query's last pair's, held back)
             T.copy(acc_s, p_s[0, :, :])
             T.copy(m0, mx_s[0, :])
             T.fence_proxy_async()                       # P0: generic stores, read next by WGMMA (async proxy)
@@ -334,6 +399,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)                             # P0 V0[:, L] done: stage 0's left half is free
             T.barrier_arrive(free[0 + L])
             rescale(acc_o, l, a, m0, m, vote)           # O_L, l under m1
+            if ES:
+                if i == NP - 1:                         # my row sums are final: consumer 1's epilogue may start
+                    T.copy(l, sum_s[0, :])
+                    T.barrier_arrive(bar_end[0])
             stamp(12 * i + 0, t0s, Lse, bi, mi)
             T.barrier_wait(ready[2 + L], gp % 2)
             pv(z, 1, L, acc_o, p_s, kv_s)
@@ -357,11 +426,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.wait_wgmma(0)
                 if not P:                               # persistent: the epilogue frees it (O is staged there)
                     T.barrier_arrive(free[2 + L])
-                T.barrier_arrive(p_free1)
+                if not OP:                              # o_in_p: once O's pieces in P0, P1 are read
+                    T.barrier_arrive(p_free1)
 
     @T.macro
     def consumer1(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
+                  free, bar_p0, bar_p1, p_free0, p_free1, bar_end, sum_s, t0s, Lse, bi, mi):
         """Consumer 1's pairs of the CTA's k-th query."""
         ib = k % NB
         T.barrier_wait(bar_q, k % 2)
@@ -397,6 +467,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
             T.barrier_arrive(p_free0)
+            if ES:
+                if i == NP - 1:                         # my row sums are final, P0 V0[:, R] is done (P0 free)
+                    T.copy(l, sum_s[1, :])
+                    T.barrier_arrive(bar_end[1])
             scale_o(acc_o, a, vote)                     # O_R under m1
             pv(z, 1, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)
@@ -407,7 +481,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.barrier_arrive(free[2 + R])
 
     @T.macro
-    def one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+    def one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q,
                   q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
         """Consumer w's k-th query of the CTA: its pairs, the row sums' exchange, its epilogue. Persistent: consumer
         0 issues the next query's first QK (Q and stage 0 are already there) before the exchange and the epilogue,
@@ -418,23 +492,31 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.fill(m, -1e30)
         pairs = consumer0 if w == 0 else consumer1
         pairs(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready, free,
-              bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi)
-        if P and w == 0:
+              bar_p0, bar_p1, p_free0, p_free1, bar_end, sum_s, t0s, Lse, bi, mi)
+        if P and w == 0 and not LS:
             if k < NQ - 1:
                 issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
         # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
         # their last WGMMA on q_s, which the epilogue reuses for O (one CTA a query)
-        T.copy(l, sum_s[w, :])
         stamp(60 + w, t0s, Lse, bi, mi)                  # trace: the consumer's last P V done
-        T.barrier_arrive(bar_end)
-        T.barrier_wait(bar_end, k % 2)
-        epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, free, Sink, O, Lse, bi, mi, t0s)
+        if ES:                                          # the peer's sums, published as soon as they were final
+            T.barrier_wait(bar_end[1 - w], k % 2)
+        else:
+            T.copy(l, sum_s[w, :])
+            T.barrier_arrive(bar_end)
+            T.barrier_wait(bar_end, k % 2)
+        epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, p_s, o_s, free, Sink, O, Lse, bi, mi, t0s)
+        if LS:                                          # the next S0 waits (Q, stage 0) under the O store's reads
+            if w == 0:
+                if k < NQ - 1:
+                    issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
+            release_o(w, free)
         stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
         if P and w == 0:
             T.wait_wgmma(0)                             # no WGMMA in flight across the query loop's back edge
 
     @T.macro
-    def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
+    def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
                  p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
         """Consumer warpgroup w: its registers and its queries (one, or the persistent CTA's cta, cta + ctas, ...)."""
         acc_s = T.alloc_fragment([H, BI], F32)
@@ -453,11 +535,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
             for k in T.serial(NQ):
                 n = cta + k * ctas
-                one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s,
+                one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s,
                           bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
                           n // M, n % M)
         else:
-            one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q,
+            one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q,
                       q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
 
     @T.macro
@@ -519,6 +601,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         idx_s = T.alloc_shared([NB, TP], I32)
         mx_s = T.alloc_shared([2, H], F32)
         sum_s = T.alloc_shared([2, H], F32)
+        o_s = T.alloc_shared([H, 64], BF16) if OP and DH // 64 > 3 else None   # o_in_p: O_L's third piece
 
         bar_q = T.alloc_barrier(arrive_count=128)
         bar_i = T.alloc_barrier(arrive_count=128)   # persistent: an index row landed
@@ -529,7 +612,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         bar_p1 = T.alloc_barrier(arrive_count=128)
         p_free0 = T.alloc_barrier(arrive_count=128)
         p_free1 = T.alloc_barrier(arrive_count=128)
-        bar_end = T.alloc_barrier(arrive_count=256)
+        bar_end = T.alloc_barrier(arrive_count=[128, 128] if ES else 256)   # early_sum: one per consumer
 
         NQ = (B * M - cta + ctas - 1) // ctas if P else 1  # this CTA's queries: cta, cta + ctas, ...
         tx = T.get_thread_binding()
@@ -539,10 +622,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 t0s[0] = T.call_extern("int64", "clock64")
         T.sync_threads()
         if tx < 128:
-            consumer(0, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0,
+            consumer(0, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0,
                      bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
         elif tx < 256:
-            consumer(1, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, bar_q, q_free, ready, free, bar_p0,
+            consumer(1, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0,
                      bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
         else:
             producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi)
@@ -566,8 +649,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     return compile_kernel(sparse_attn_fwd_pp, out_idx=[4, 5])
 
 
-def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0) -> bool:
+def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool = False) -> bool:
     """fwd_kernel_pp's shapes: 64 heads, D a multiple of 128 up to 512, TP a multiple of 2 * BI, and Q, two
-    stages, P and the index row (two when persistent, ``ctas`` > 0) within the shared memory."""
+    stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
+    memory."""
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
-            and _pp_smem(H, D, TP, BI, 2 if ctas else 1) <= 227 * 1024 - 2048)
+            and _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) <= 227 * 1024 - 2048)
