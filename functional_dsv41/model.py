@@ -294,7 +294,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     chunk at position 0; see ``vision``)}; state: a DecodeState (``fd.init_state``) or None.
     ``mode``: linear() mode ("reference", "dequant", "qat"). "reference" runs the release's fp8/fp4 GEMMs only on
     weights STORED as fp8/fp4; float master weights (``init_params(master=True)``) give the "dequant" model there;
-    evaluate a QAT master tree with "qat", or export it (``train.checkpoint.to_storage``) first. ``dispatch``: MoE
+    evaluate a QAT master tree with "qat", or export it (``params.train_state.to_storage``) first. ``dispatch``: MoE
     formulation ("sorted" scales; "dense" works under vmap).
     ``qdq=False``: no activation quantisation outside linear() (the KV / indexer QDQ; a smooth model for gradient
     checks with "dequant"; "qat" still fake-quantises every fp8/fp4 linear's input). ``validate=False``

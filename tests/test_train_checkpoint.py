@@ -7,8 +7,8 @@ import textwrap
 import torch
 
 from functional_dsv41.quant import E8M0, FP4X2, FP8
-from functional_dsv41.train import checkpoint as C
-from functional_dsv41.train.checkpoint import TrainCheckpointer
+from functional_dsv41.params import train_state as C
+from functional_dsv41.params.train_state import TrainCheckpointer
 
 
 def _state(seed):
@@ -60,7 +60,7 @@ def test_interrupted_save_keeps_last_good(tmp_path):
         import os, sys, torch
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         from test_train_checkpoint import _state
-        from functional_dsv41.train.checkpoint import TrainCheckpointer
+        from functional_dsv41.params.train_state import TrainCheckpointer
         from orbax.checkpoint._src.path import atomicity
         ck = TrainCheckpointer({str(tmp_path)!r}, max_to_keep=3)
         p, o = _state(1)

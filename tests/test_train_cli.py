@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from functional_dsv41.train import checkpoint as C
+from functional_dsv41.params import train_state as C
 from functional_dsv41.train import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import torch
 
 import functional_dsv41 as fd
 from functional_dsv41.config import write_atomic
-from functional_dsv41.train import checkpoint as C
+from functional_dsv41.params import train_state as C
 from functional_dsv41.train import resume, run, step as S
 
 
@@ -422,7 +422,7 @@ def test_out_that_cannot_be_created(tmp_path):
 def test_resume_from_a_truncated_array_file_prints_one_line_and_no_traceback(tmp_path):
     """The newest checkpoint with one array file cut short (a full disk, a killed copy): `run.py --resume` named it
     in one line, but around that line orbax's reads printed hundreds of 'RuntimeError: Event loop is closed'
-    tracebacks (train/checkpoint.py's docstring says why); now stderr is that line alone."""
+    tracebacks (params/train_state.py's docstring says why); now stderr is that line alone."""
     import subprocess
     import sys
     out = tmp_path / "o"

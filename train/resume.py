@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 import functional_dsv41 as fd
 from functional_dsv41.config import short_repr
-from functional_dsv41.train import checkpoint as ckpt_mod
+from functional_dsv41.params import train_state as ckpt_mod
 
 if TYPE_CHECKING:
     from functional_dsv41.train.run import RunConfig

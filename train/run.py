@@ -55,7 +55,7 @@ import torch
 import functional_dsv41 as fd
 from functional_dsv41.config import write_atomic
 from functional_dsv41.linear import qat_format
-from functional_dsv41.train import checkpoint as ckpt_mod
+from functional_dsv41.params import train_state as ckpt_mod
 from functional_dsv41.train import data as data_mod
 from functional_dsv41.train import optim, resume, step as step_mod
 # the run's settings (train/settings.py); notebooks and tests reach them here too: run.RunConfig, run.preset_config,
