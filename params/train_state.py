@@ -181,11 +181,9 @@ class TrainCheckpointer:
             if bad:
                 raise TypeError(f"TrainCheckpointer.save: {what} must be a (nested) dict of tensors; not tensors: "
                                 f"{bad[:5]}")
-            shards = [k for k, v in _flatten(tree).items() if sharding.is_sharded(v)]
-            if shards:
-                raise TypeError(f"TrainCheckpointer.save: {what} holds DTensor shards ({shards[0]}, "
-                                f"functional_dsv41.sharding) and writes one process's full tensors; gather them with "
-                                f"sharding.full_params (a collective: every rank calls it) and save on one rank")
+            why = sharding.refusal(_flatten(tree), f"TrainCheckpointer.save {what}", stacked=False)
+            if why:                                     # (it writes one process's whole tensors; stacked is fine)
+                raise TypeError(why + ", and save on one rank")
         tensors = {"params": params, "opt": {"mu": opt_state["mu"], "nu": opt_state["nu"]}}
         if rng_state is not None:
             tensors["rng"] = {"torch": rng_state}

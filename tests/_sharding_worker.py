@@ -173,6 +173,15 @@ def main():
         refused(lambda: fd.save_params(sh, tmp, cfg), ["save_params", "DTensor shard", "full_params"])
         assert not os.listdir(tmp)
     refused(lambda: fd.tree_diff(params, sh), ["tree_diff (b)", "DTensor shard", "full_params"])
+    from functional_dsv41.params import TrainCheckpointer
+    with tempfile.TemporaryDirectory() as tmp:
+        ck, zeros = TrainCheckpointer(tmp), {"mu": {}, "nu": {}, "count": 0}
+        try:
+            refused(lambda: ck.save(1, params=fd.flatten_with_paths(sh), opt_state=zeros, data_state={}),
+                    ["TrainCheckpointer.save params", "DTensor shard", "full_params", "one rank"])
+        finally:
+            ck.close()
+        assert ck.all_steps() == [] and not os.listdir(tmp), os.listdir(tmp)
     try:
         torch.func.vmap(lambda i: fd.forward(sh, {"input_ids": i}, cfg=cfg, dispatch="dense",
                                              validate=False).logits)(ids[:, None])
