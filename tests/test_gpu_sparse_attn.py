@@ -344,7 +344,12 @@ def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
     the bits must be one-CTA-a-query's, launch after launch."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
+    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import pp_fits
     B, M, H, D, N, T = shape
+    if not pp_fits(H, D, T, ctas=ctas, o_in_p=opts.get("o_in_p", False)):
+        with pytest.raises(ValueError, match="shared memory"):     # (o_in_p's extra piece beside two 1280-slot rows)
+            fwd_kernel_pp(H, D, T, D ** -0.5, ctas=ctas, **opts)
+        return
     q, kv, sink, idx = _pp_inputs(shape)
     scale = D ** -0.5
     o, lse = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)

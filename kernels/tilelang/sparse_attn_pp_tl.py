@@ -145,7 +145,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     left half is then free after one 8 KB read instead of 32 KB. ``early_sum`` (persistent): each consumer publishes
     its row sums as soon as they are final (consumer 0 after its last rescale, consumer 1 once its last P0 V0 is
     done) instead of after its last P V, so consumer 1's epilogue, and its half of stage 1, no longer wait for
-    consumer 0's last P V. All three: the same arithmetic, the same bits.
+    consumer 0's last P V. All three: the same arithmetic, the same bits (run 91). Measured (run 90, H100, release
+    shape, three rounds): the default 490-505 TFLOP/s, late_s0 500-523, late_s0 + o_in_p 504-526, early_sum on top
+    no gain; consumer 1's first S1 of a query comes ~1000 cycles earlier, and the serial chain of the pairs after
+    takes most of it back. Opt-in until the H200 and the default path's tests have run them.
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
