@@ -114,9 +114,9 @@ WS_DIAGS = ("", "compute", "nosoftmax")
 SP_DIAG_ROWS = (dict(), dict(gather="cols"), dict(diag="compute"), dict(diag="nosoftmax"))
 SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
+# pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
-                 dict(ctas=132, late_s0=True, o_in_p=True, early_sum=True), dict(ctas=132, lazy=8.0),
-                 dict(ctas=132, late_s0=True, o_in_p=True, early_sum=True, lazy=8.0))  # pp options in every round (132: the H200's SMs)
+                 dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
 
 
 def attention_diag(results, args):
@@ -183,7 +183,8 @@ def attention_diag(results, args):
         makers = [("ws", lambda: sa.fwd_kernel_ws(H, D, T_, scale, **cfg)),
                   ("sp", lambda: sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))]
         makers += [(f"pp {opts(kw)}" if kw else "pp", lambda kw=kw: pp.fwd_kernel_pp(H, D, T_, scale, **kw))
-                   for kw in ({},) + PP_ROUND_OPTS if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0), o_in_p=kw.get("o_in_p", False))]
+                   for kw in ({},) + PP_ROUND_OPTS
+                   if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0), o_in_p=kw.get("o_in_p", False))]
         for kind, make in makers:
             try:
                 kf = make()

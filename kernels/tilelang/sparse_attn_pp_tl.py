@@ -45,6 +45,9 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
   boundary that half holds consumer 1's O, stored ~2800 cycles before consumer 0's): S1 starts ~700 cycles earlier
   in a query's first pair, but the chain takes it back (a query 48398 traced cycles against 48178); -1% to +3%
   over four pairs of rows, within the noise (run 88, H100).
+- each consumer publishing its row sums as soon as they are final (``early_sum``, beside late_s0 and o_in_p), so
+  consumer 1's epilogue no longer waits for consumer 0's last P V: the same bits, no gain (run 90, H100; the
+  code is in a5eefcd).
 What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles against 4096 of tensor work at the
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
@@ -96,8 +99,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (216, 72), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  early_sum: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -142,13 +144,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     columns go through stage 1 (stored first, then freed once read, while the others are written); the others
     through P0, P1 and a 64 x 64 buffer (D = 512), free then until consumer 0's next P0 (it waits for their reads
     first) and consumer 1's next P1 (``p_free1`` of the query's last pair arrives after those reads). Stage 1's
-    left half is then free after one 8 KB read instead of 32 KB. ``early_sum`` (persistent): each consumer publishes
-    its row sums as soon as they are final (consumer 0 after its last rescale, consumer 1 once its last P0 V0 is
-    done) instead of after its last P V, so consumer 1's epilogue, and its half of stage 1, no longer wait for
-    consumer 0's last P V. All three: the same arithmetic, the same bits (run 91). Measured (run 90, H100, release
-    shape, three rounds): the default 490-505 TFLOP/s, late_s0 500-523, late_s0 + o_in_p 504-526, early_sum on top
-    no gain; consumer 1's first S1 of a query comes ~1000 cycles earlier, and the serial chain of the pairs after
-    takes most of it back. Opt-in until the H200 and the default path's tests have run them.
+    left half is then free after one 8 KB read instead of 32 KB. Both: the same arithmetic, the same bits (run 91).
+    Measured (run 90, H100, release shape, three rounds): the default 490-505 TFLOP/s, late_s0 500-523, late_s0 +
+    o_in_p 504-526; consumer 1's first S1 of a query comes ~1000 cycles earlier, and the serial chain of the pairs
+    after takes most of it back. Opt-in until the H200 and the default path's tests have run them.
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
@@ -172,8 +171,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
     if late_s0 and not ctas:
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
-    if early_sum and not ctas:
-        raise ValueError("fwd_kernel_pp: early_sum needs the persistent grid (ctas > 0)")
     if o_in_p and not (late_s0 and BI == 64):
         raise ValueError("fwd_kernel_pp: o_in_p needs late_s0 (and BI = 64: a P buffer holds 64 x 64 of O)")
     if not 0 <= lazy <= 16:
@@ -181,7 +178,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
-    ES = bool(early_sum)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -224,19 +220,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.copy(acc_o[:, DH - 64:DH], kv_s[1, :, DH - 64:DH])
             T.tma_copy(kv_s[1, :, DH - 64:DH], O[bi, mi, :, DH - 64:DH])
             for j in OPJ:
-                if j < 2:
-                    T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :])
-                else:
-                    T.copy(acc_o[:, j * 64:(j + 1) * 64], o_s)
-            if w == 0:
-                stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+                T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :] if j < 2 else o_s)
+            stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
             T.tma_store_wait(0)                         # the stage's piece is read (under the writes above):
             T.barrier_arrive(free[2 + w])               # stage 1's left half is free for the next query
             for j in OPJ:
-                if j < 2:
-                    T.tma_copy(p_s[j, :, :], O[bi, mi, :, j * 64:(j + 1) * 64])
-                else:
-                    T.tma_copy(o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
+                T.tma_copy(p_s[j, :, :] if j < 2 else o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
         elif LS:                                        # the store's reads are waited for in release_o
             T.copy(acc_o, kv_s[1, :, w * DH:(w + 1) * DH])
             if w == 0:
@@ -368,7 +357,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, p_free0, p_free1, bar_end, sum_s, t0s, Lse, bi, mi):
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
         """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
         ib = k % NB
         if not P:                                       # persistent: issued before the previous query's epilogue
@@ -402,10 +391,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)                             # P0 V0[:, L] done: stage 0's left half is free
             T.barrier_arrive(free[0 + L])
             rescale(acc_o, l, a, m0, m, vote)           # O_L, l under m1
-            if ES:
-                if i == NP - 1:                         # my row sums are final: consumer 1's epilogue may start
-                    T.copy(l, sum_s[0, :])
-                    T.barrier_arrive(bar_end[0])
             stamp(12 * i + 0, t0s, Lse, bi, mi)
             T.barrier_wait(ready[2 + L], gp % 2)
             pv(z, 1, L, acc_o, p_s, kv_s)
@@ -434,7 +419,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer1(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, p_free0, p_free1, bar_end, sum_s, t0s, Lse, bi, mi):
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
         """Consumer 1's pairs of the CTA's k-th query."""
         ib = k % NB
         T.barrier_wait(bar_q, k % 2)
@@ -470,10 +455,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
             T.barrier_arrive(p_free0)
-            if ES:
-                if i == NP - 1:                         # my row sums are final, P0 V0[:, R] is done (P0 free)
-                    T.copy(l, sum_s[1, :])
-                    T.barrier_arrive(bar_end[1])
             scale_o(acc_o, a, vote)                     # O_R under m1
             pv(z, 1, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)
@@ -495,19 +476,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.fill(m, -1e30)
         pairs = consumer0 if w == 0 else consumer1
         pairs(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready, free,
-              bar_p0, bar_p1, p_free0, p_free1, bar_end, sum_s, t0s, Lse, bi, mi)
+              bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi)
         if P and w == 0 and not LS:
             if k < NQ - 1:
                 issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
         # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
         # their last WGMMA on q_s, which the epilogue reuses for O (one CTA a query)
+        T.copy(l, sum_s[w, :])
         stamp(60 + w, t0s, Lse, bi, mi)                  # trace: the consumer's last P V done
-        if ES:                                          # the peer's sums, published as soon as they were final
-            T.barrier_wait(bar_end[1 - w], k % 2)
-        else:
-            T.copy(l, sum_s[w, :])
-            T.barrier_arrive(bar_end)
-            T.barrier_wait(bar_end, k % 2)
+        T.barrier_arrive(bar_end)
+        T.barrier_wait(bar_end, k % 2)
         epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, p_s, o_s, free, Sink, O, Lse, bi, mi, t0s)
         if LS:                                          # the next S0 waits (Q, stage 0) under the O store's reads
             if w == 0:
@@ -615,7 +593,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         bar_p1 = T.alloc_barrier(arrive_count=128)
         p_free0 = T.alloc_barrier(arrive_count=128)
         p_free1 = T.alloc_barrier(arrive_count=128)
-        bar_end = T.alloc_barrier(arrive_count=[128, 128] if ES else 256)   # early_sum: one per consumer
+        bar_end = T.alloc_barrier(arrive_count=256)
 
         NQ = (B * M - cta + ctas - 1) // ctas if P else 1  # this CTA's queries: cta, cta + ctas, ...
         tx = T.get_thread_binding()
