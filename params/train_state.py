@@ -177,11 +177,12 @@ class TrainCheckpointer:
                              f"in {self.directory} (orbax would skip it silently); save under a later step or "
                              f"into another folder")
         for what, tree in (("params", params), ("opt_state['mu']", opt_state["mu"]), ("opt_state['nu']", opt_state["nu"])):
-            bad = [k for k, v in _flatten(tree).items() if not isinstance(v, torch.Tensor)]
+            leaves = _flatten(tree)
+            bad = [k for k, v in leaves.items() if not isinstance(v, torch.Tensor)]
             if bad:
                 raise TypeError(f"TrainCheckpointer.save: {what} must be a (nested) dict of tensors; not tensors: "
                                 f"{bad[:5]}")
-            why = sharding.refusal(_flatten(tree), f"TrainCheckpointer.save {what}", stacked=False)
+            why = sharding.refusal(leaves, f"TrainCheckpointer.save {what}", stacked=False)
             if why:                                     # (it writes one process's whole tensors; stacked is fine)
                 raise TypeError(why + ", and save on one rank")
         tensors = {"params": params, "opt": {"mu": opt_state["mu"], "nu": opt_state["nu"]}}
