@@ -17,7 +17,7 @@ import json
 import torch
 
 from ._bench_common import bench, positive_int, row
-from .bench_attn import attention_bwd, attention_cl, attention_diag, attention_fwd, attention_trace
+from .bench_attn import attention_bwd, attention_cl, attention_diag, attention_fwd, attention_pp, attention_trace
 from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
                          gemm_wide, gemm_wrapper, gemms)
 
@@ -252,6 +252,7 @@ SECTIONS = {
     "ceilings": lambda results, args: ceilings(results),
     "attnfwd": attention_fwd,
     "attndiag": attention_diag,
+    "attnpp": attention_pp,
     "attntrace": attention_trace,
     "attncl": attention_cl,
     "attnbwd": attention_bwd,

@@ -193,6 +193,34 @@ def attention_diag(results, args):
                 print(f"  {kind} T={T_}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
+def attention_pp(results, args):
+    """The default forward (``_fwd``) against the persistent pp kernel with each of PP_ROUND_OPTS, interleaved over
+    three rounds in one process at the release shape (rows of one call compare; calls vary by a few percent): the
+    short form of attndiag's rounds, for deciding a pp default. Each row notes its distance to the default's
+    output (the options must not change the bits)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    H, D = q.shape[2], q.shape[3]
+    ip128 = sa._pad_idx(idx, 128)
+    o_def, lse_def = sa._fwd(q, kv, sink, idx, scale)
+    for rnd in range(3):
+        results.append(row(f"  default _fwd {sa.FWD_PP_BOUNDARY} (round {rnd + 1})",
+                           bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f))
+        for kw in PP_ROUND_OPTS:
+            name = f"  pp {json.dumps(kw, separators=(',', ':'))} (round {rnd + 1})"
+            try:
+                kf = pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **kw)
+                o, lse = kf(q, kv, sink, ip128)
+                same = torch.equal(o, o_def) and torch.equal(lse, lse_def)
+                results.append(row(name, bench(lambda: kf(q, kv, sink, ip128)), fl, by_f,
+                                   "same bits as the default" if same else
+                                   f"DIFFERS from the default: o max abs {(o.float() - o_def.float()).abs().max():.2e}"))
+            except Exception as e:
+                print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
 def attention_trace(results, args):
     """fwd_kernel_pp's timeline at the release shape (``diag="trace"``: clock64 stamps relative to each CTA's start,
     written into the LSE slots; medians over the CTAs). Per pair i of 64-slot blocks: when consumer 0 had rescaled

@@ -13,6 +13,7 @@ the set of compiled kernels, which is printed (a kernel already in the cache loa
     .venv/bin/python scripts/precompile_kernels.py gemm       # tests/test_gpu_gemm.py + the GEMM bench sections
     .venv/bin/python scripts/precompile_kernels.py tests tests/test_gpu_sparse_attn.py -k sp   # any pytest args
     .venv/bin/python scripts/precompile_kernels.py attn-bench # the attention forward's bench rows (attndiag)
+    .venv/bin/python scripts/precompile_kernels.py attn-pp    # only the bench's "attnpp" rows
 
 ``tests`` runs GPU tests on CPU tensors with the launches stubbed: their assertions fail (the outputs are zeros)
 and tests that need CUDA itself error, but every kernel a test builds before that point is compiled.
@@ -277,9 +278,23 @@ def attn_bench():
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
 
 
+def attn_pp():
+    """The kernels of the bench's "attnpp" section at the release shape: the default forward (its lock-step
+    reference excluded) and the persistent pp kernel with each of PP_ROUND_OPTS."""
+    from functional_dsv41.kernels import bench_attn as ba
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    H, D, scale = 64, 512, 512 ** -0.5
+    q = torch.zeros(1, 4096, H, D, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 5120, D, dtype=torch.bfloat16)
+    sa._fwd(q, kv, torch.zeros(H), torch.zeros(1, 4096, 640, dtype=torch.int32), scale)
+    for kw in ba.PP_ROUND_OPTS:
+        pp.fwd_kernel_pp(H, D, 640, scale, **kw)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["release-layers", "train-gpu", "gemm", "tests", "attn-bench"])
+    ap.add_argument("what", choices=["release-layers", "train-gpu", "gemm", "tests", "attn-bench", "attn-pp"])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     args, rest = ap.parse_known_args(argv)
     if rest and args.what != "tests":
@@ -296,6 +311,8 @@ def main(argv=None):
         gpu_tests(rest)
     elif args.what == "attn-bench":
         attn_bench()
+    elif args.what == "attn-pp":
+        attn_pp()
     else:
         train_gpu()
     print(f"{len(COMPILED)} kernels compiled or loaded from the cache in {time.perf_counter() - t:.0f} s")
