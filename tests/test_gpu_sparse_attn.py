@@ -309,25 +309,35 @@ def test_sparse_attn_fwd_pp(shape):
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
-def test_sparse_attn_fwd_default_persistent(monkeypatch):
-    """The default forward takes pp's persistent grid (one CTA per SM) where there are more queries than SMs, and
-    gives the bits of one CTA a query."""
+@pytest.mark.parametrize("boundary", ["default", "on"])
+@pytest.mark.parametrize("T", [640, 1280])
+def test_sparse_attn_fwd_default_persistent(T, boundary, monkeypatch):
+    """The default forward takes pp's persistent grid (one CTA per SM) where there are more queries than SMs, with
+    FWD_PP_BOUNDARY's options (as set, and with FWD_PP_BOUNDARY_ON: late_s0, and o_in_p where it fits: not beside
+    two 1280-slot index rows), and gives the bits of one CTA a query."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    if boundary == "on":
+        monkeypatch.setattr(sa, "FWD_PP_BOUNDARY", sa.FWD_PP_BOUNDARY_ON)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else sa.PP_SMS
-    B, M, H, D, N, T = 1, sms + 9, 64, 512, 900, 640
+    B, M, H, D, N = 1, sms + 9, 64, 512, 1500
     q, kv, sink, idx = _attn_inputs(B, M, H, D, N, T, seed=17)
+    idx[0, 3, 64:128] = -1
     scale = D ** -0.5
     seen, real = [], pp.fwd_kernel_pp
-    monkeypatch.setattr(pp, "fwd_kernel_pp", lambda *a, **kw: seen.append(kw.get("ctas", 0)) or real(*a, **kw))
+    monkeypatch.setattr(pp, "fwd_kernel_pp", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     o, lse = sa._fwd(q, kv, sink, idx, scale)
-    assert seen == [sms]
+    assert pp.pp_fits(H, D, T, ctas=sms, o_in_p=True) == (T == 640)
+    want = dict(ctas=sms, **sa.FWD_PP_BOUNDARY)
+    if want.get("o_in_p"):
+        want["o_in_p"] = T == 640
+    assert seen == [want]
     o0, lse0 = real(H, D, T, scale)(q, kv, sink.float(), idx)
     assert torch.equal(o, o0) and torch.equal(lse, lse0)
     seen.clear()
     sa._fwd(q[:, :sms], kv, sink, idx[:, :sms], scale)            # no more queries than SMs: one CTA a query
-    assert seen == [0]
+    assert seen == [dict(ctas=0)]
 
 
 @pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True)],

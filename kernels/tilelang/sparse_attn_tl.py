@@ -418,6 +418,14 @@ FWD_DEFAULT = "pp"
 # (scripts/precompile_kernels.py)
 FWD_PP_PERSISTENT = True
 PP_SMS = 132
+# on that persistent grid, the options of the boundary between two queries of a CTA (sparse_attn_pp_tl): late_s0
+# issues the next query's S0 right after the O store is issued, o_in_p stages most of O_L in the P buffers so the
+# store waits on less (taken where pp_fits(..., o_in_p=True), late_s0 alone elsewhere). Run 90 (H100, release
+# shape): +1-5% over neither, the same bits (run 91: bitwise equal to one CTA a query in the pp tests). Off until
+# a device run has passed the default path's tests (test_sparse_attn_fwd_default_persistent, the model, release
+# layer and training tests) with FWD_PP_BOUNDARY_ON: two tries for one on 2026-12-06 got no machine.
+FWD_PP_BOUNDARY_ON = dict(late_s0=True, o_in_p=True)
+FWD_PP_BOUNDARY: dict = {}
 # impl="cl": sparse_attn_cl_tl.fwd_kernel_cl (2-CTA clusters splitting D, two queries an SM) on a persistent grid of
 # the SM count rounded down to even, with these options
 FWD_CL_CFG = {}
@@ -442,7 +450,7 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     FWD_CL_CFG for block 64 where cl_fits (T padded to 128), on a persistent grid of the SM count rounded down to
     even, else falls back as "pp" does; "pp" runs fwd_kernel_pp (sparse_attn_pp_tl) for block 64 where pp_fits (a
     persistent grid of one CTA per SM when FWD_PP_PERSISTENT, there are more queries than SMs and its two index
-    rows fit), else falls back as "sp" does; "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
+    rows fit, with FWD_PP_BOUNDARY's options), else falls back as "sp" does; "sp" runs fwd_kernel_sp with FWD_SP_CFG for block 64 where sp_fits (its
     block BI = 64 is the release's), else falls back as "ws" does; "ws" runs fwd_kernel_ws with FWD_WS_CFG[block] where ws_fits(H, D)
     (its pairs of BI = block/2 slots give the same block recurrence), else fwd_kernel; "seesaw" runs
     fwd_kernel_seesaw with FWD_SEESAW_CFG where ws_fits(H, D) (block BI = 64 whatever ``block`` asks:
@@ -463,7 +471,10 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
     elif impl in ("pp", "cl") and block == 64 and pp_fits(H, D, -(-idx.shape[-1] // 128) * 128):
         idx = _pad_idx(idx, 128)
         ctas = sms if FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], ctas=sms) else 0
-        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas)
+        opts = dict(FWD_PP_BOUNDARY) if ctas else {}
+        if opts.get("o_in_p") and not pp_fits(H, D, idx.shape[-1], ctas=ctas, o_in_p=True):
+            opts["o_in_p"] = False
+        k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas, **opts)
     elif impl in ("sp", "pp", "cl") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
         idx = _pad_idx(idx, BI)
         k = fwd_kernel_sp(H, D, idx.shape[-1], float(scale), **FWD_SP_CFG)
