@@ -279,8 +279,8 @@ def attn_bench():
 
 
 def attn_pp():
-    """The kernels of the bench's "attnpp" section at the release shape: the default forward (its lock-step
-    reference excluded) and the persistent pp kernel with each of PP_ROUND_OPTS."""
+    """The kernels of the bench's "attnpp" section at the release shape: the default forward and the persistent
+    pp kernel with each of PP_ROUND_OPTS."""
     from functional_dsv41.kernels import bench_attn as ba
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa

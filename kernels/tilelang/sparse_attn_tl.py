@@ -423,7 +423,7 @@ PP_SMS = 132
 # store waits on less (taken where pp_fits(..., o_in_p=True), late_s0 alone elsewhere). Run 90 (H100, release
 # shape): +1-5% over neither, the same bits (run 91: bitwise equal to one CTA a query in the pp tests). Off until
 # a device run has passed the default path's tests (test_sparse_attn_fwd_default_persistent, the model, release
-# layer and training tests) with FWD_PP_BOUNDARY_ON: two tries for one on 2026-12-06 got no machine.
+# layer and training tests) with FWD_PP_BOUNDARY_ON (BENCHMARKS.md has the prepared call).
 FWD_PP_BOUNDARY_ON = dict(late_s0=True, o_in_p=True)
 FWD_PP_BOUNDARY: dict = {}
 # impl="cl": sparse_attn_cl_tl.fwd_kernel_cl (2-CTA clusters splitting D, two queries an SM) on a persistent grid of
