@@ -184,7 +184,7 @@ def attention_diag(results, args):
                   ("sp", lambda: sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG))]
         makers += [(f"pp {opts(kw)}" if kw else "pp", lambda kw=kw: pp.fwd_kernel_pp(H, D, T_, scale, **kw))
                    for kw in ({},) + PP_ROUND_OPTS
-                   if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0), o_in_p=kw.get("o_in_p", False))]
+                   if pp.pp_fits(H, D, T_, **kw)]
         for kind, make in makers:
             try:
                 kf = make()

@@ -263,7 +263,7 @@ def attn_bench():
             sp.fwd_kernel_sp(H, D, T_, scale, **sp.FWD_SP_CFG)
         pp.fwd_kernel_pp(H, D, T_, scale)
         for kw in ba.PP_ROUND_OPTS:
-            if pp.pp_fits(H, D, T_, ctas=kw.get("ctas", 0), o_in_p=kw.get("o_in_p", False)):
+            if pp.pp_fits(H, D, T_, **kw):
                 pp.fwd_kernel_pp(H, D, T_, scale, **kw)
     for kw in ba.PP_DIAG_ROWS:
         pp.fwd_kernel_pp(H, D, 640, scale, **kw)

@@ -355,7 +355,7 @@ def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import pp_fits
     B, M, H, D, N, T = shape
-    if not pp_fits(H, D, T, ctas=ctas, o_in_p=opts.get("o_in_p", False)):
+    if not pp_fits(H, D, T, ctas=ctas, **opts):
         with pytest.raises(ValueError, match="shared memory"):     # (o_in_p's extra piece beside two 1280-slot rows)
             fwd_kernel_pp(H, D, T, D ** -0.5, ctas=ctas, **opts)
         return
@@ -467,6 +467,12 @@ def test_sparse_attn_fwd_pp_option_errors():
     with pytest.raises(ValueError, match="o_in_p"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, ctas=132, o_in_p=True)
     assert pp.pp_fits(64, 512, 640) and not pp.pp_fits(64, 512, 576) and not pp.pp_fits(16, 128, 640)
+    # the kernel's own option dict: o_in_p's extra piece fits beside two 640-slot index rows, not two 1280-slot ones
+    on = dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0)
+    assert pp.pp_fits(64, 512, 640, **on) and not pp.pp_fits(64, 512, 1280, **on)
+    assert pp.pp_fits(64, 512, 1280, **dict(on, o_in_p=False))
+    with pytest.raises(TypeError, match="late_s1"):
+        pp.pp_fits(64, 512, 640, late_s1=True)
 
 
 CL_SHAPES = PP_SHAPES + [(3, 37, 64, 256, 333, 64)]      # + one block a query (the epilogue right after the first)

@@ -631,9 +631,13 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     return compile_kernel(sparse_attn_fwd_pp, out_idx=[4, 5])
 
 
-def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool = False) -> bool:
+def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool = False, **kernel_opts) -> bool:
     """fwd_kernel_pp's shapes: 64 heads, D a multiple of 128 up to 512, TP a multiple of 2 * BI, and Q, two
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
-    memory."""
+    memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
+    the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
+    if unknown:
+        raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
             and _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) <= 227 * 1024 - 2048)
