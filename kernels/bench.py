@@ -276,6 +276,8 @@ def main(argv=None):
     p.add_argument("--m", type=positive_int, default=4096, help="queries / GEMM rows (release prefill 4096)")
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ",".join(SECTIONS))
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="attnpp: interleaved rounds of its rows, summarised by median, min and max (default 3)")
     args = p.parse_args(argv)
     parts = args.only.split(",")
     unknown = [s for s in parts if s not in SECTIONS]

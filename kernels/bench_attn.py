@@ -1,6 +1,7 @@
 """The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attntrace,
 attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s docstring."""
 import json
+import statistics
 
 import torch
 
@@ -116,6 +117,7 @@ SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 # pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, nreg=(216, 72)),     # the register split before run 94
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
 
 
@@ -195,9 +197,10 @@ def attention_diag(results, args):
 
 def attention_pp(results, args):
     """The default forward (``_fwd``) against the persistent pp kernel with each of PP_ROUND_OPTS, interleaved over
-    three rounds in one process at the release shape (rows of one call compare; calls vary by a few percent): the
-    short form of attndiag's rounds, for deciding a pp default. Each row notes its distance to the default's
-    output (the options must not change the bits)."""
+    ``args.rounds`` rounds (``--rounds``, default 3) in one process at the release shape (rows of one call compare;
+    rounds of one row vary by up to ~15%, the clock not being locked): the short form of attndiag's rounds, for
+    deciding a pp default. Each row notes its distance to the default's output (the options must not change the
+    bits); after the rounds, one summary row a variant gives the median time over them, with its range."""
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     a = _attn_release_inputs(args)
@@ -205,20 +208,32 @@ def attention_pp(results, args):
     H, D = q.shape[2], q.shape[3]
     ip128 = sa._pad_idx(idx, 128)
     o_def, lse_def = sa._fwd(q, kv, sink, idx, scale)
-    for rnd in range(3):
-        results.append(row(f"  default _fwd {sa.FWD_PP_BOUNDARY} (round {rnd + 1})",
-                           bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f))
+    rounds = getattr(args, "rounds", 3)
+    times: dict[str, list[float]] = {}
+    for rnd in range(rounds):
+        variant = f"default _fwd {sa.FWD_PP_BOUNDARY}"
+        r = row(f"  {variant} (round {rnd + 1})", bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f)
+        results.append(r)
+        times.setdefault(variant, []).append(r["ms"])
         for kw in PP_ROUND_OPTS:
-            name = f"  pp {json.dumps(kw, separators=(',', ':'))} (round {rnd + 1})"
+            variant = f"pp {json.dumps(kw, separators=(',', ':'))}"
+            name = f"  {variant} (round {rnd + 1})"
             try:
                 kf = pp.fwd_kernel_pp(H, D, ip128.shape[-1], scale, **kw)
                 o, lse = kf(q, kv, sink, ip128)
                 same = torch.equal(o, o_def) and torch.equal(lse, lse_def)
-                results.append(row(name, bench(lambda: kf(q, kv, sink, ip128)), fl, by_f,
-                                   "same bits as the default" if same else
-                                   f"DIFFERS from the default: o max abs {(o.float() - o_def.float()).abs().max():.2e}"))
+                r = row(name, bench(lambda: kf(q, kv, sink, ip128)), fl, by_f,
+                        "same bits as the default" if same else
+                        f"DIFFERS from the default: o max abs {(o.float() - o_def.float()).abs().max():.2e}")
+                results.append(r)
+                times.setdefault(variant, []).append(r["ms"])
             except Exception as e:
                 print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    print(f"  -- median over {rounds} rounds (TFLOP/s range: slowest to fastest round)", flush=True)
+    for variant, ms in times.items():
+        med = statistics.median(ms)
+        results.append(row(f"  {variant} (median of {len(ms)})", med, fl, by_f,
+                           f"{fl / max(ms) / 1e9:.1f}-{fl / min(ms) / 1e9:.1f} TFLOP/s"))
 
 
 def attention_trace(results, args):

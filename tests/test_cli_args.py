@@ -52,6 +52,7 @@ BAD = [
     ("benchmarks/train_throughput.py", ["--mode", "bogus"], 2, "--mode"),
     ("-m functional_dsv41.kernels.bench", ["--m", "0"], 2, "--m"),
     ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
+    ("-m functional_dsv41.kernels.bench", ["--rounds", "0"], 2, "--rounds"),
     ("scripts/param_count.py", ["a.json", "extra"], 2, "unrecognized arguments: extra"),
     ("scripts/param_count.py", [NOTHERE + ".json"], 2, NOTHERE),
     ("scripts/kernel_sources.py", ["compare", NOTHERE + "_a", NOTHERE + "_b"], 2, NOTHERE),
