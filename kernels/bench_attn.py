@@ -119,6 +119,8 @@ PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
                  dict(ctas=132, late_s0=True, o_in_p=True, nreg=(216, 72)),     # the register split before run 94
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
+# the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
+PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))
 
 
 def attention_diag(results, args):
@@ -201,6 +203,18 @@ def attention_pp(results, args):
     rounds of one row vary by up to ~15%, the clock not being locked): the short form of attndiag's rounds, for
     deciding a pp default. Each row notes its distance to the default's output (the options must not change the
     bits); after the rounds, one summary row a variant gives the median time over them, with its range."""
+    _pp_rounds(results, args, PP_ROUND_OPTS)
+
+
+def attention_nreg(results, args):
+    """As attention_pp, over the register splits PP_NREG_SPLITS (consumers', producer's setmaxnreg) of the default
+    path's persistent pp kernel (its FWD_PP_BOUNDARY options)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    _pp_rounds(results, args, tuple(dict(ctas=132, nreg=n, **sa.FWD_PP_BOUNDARY) for n in PP_NREG_SPLITS))
+
+
+def _pp_rounds(results, args, opts):
+    """attention_pp's rounds: the default forward, then the persistent pp kernel with each dict of ``opts``."""
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     a = _attn_release_inputs(args)
@@ -215,7 +229,7 @@ def attention_pp(results, args):
         r = row(f"  {variant} (round {rnd + 1})", bench(lambda: sa._fwd(q, kv, sink, idx, scale)), fl, by_f)
         results.append(r)
         times.setdefault(variant, []).append(r["ms"])
-        for kw in PP_ROUND_OPTS:
+        for kw in opts:
             variant = f"pp {json.dumps(kw, separators=(',', ':'))}"
             name = f"  {variant} (round {rnd + 1})"
             try:

@@ -18,8 +18,9 @@ cores busy. A producer warpgroup with few registers gathers the KV rows. What ma
   read from shared memory each iteration (``zs``), so ptxas cannot hoist the loop-invariant WGMMA descriptors out
   of the loop and spill them (56 bytes of spill left, against the seesaw's 2.3 KB);
 - the consumers get 224 registers, the producer 56 (setmaxnreg; 2 * 224 + 56 = 504, the pool of 384 threads; the
-  split was 216 / 72 until run 95: 224 / 56 measured +1.5% over it in two sets of interleaved rounds on an H100,
-  the same bits).
+  split was 216 / 72 until run 95. Against it, 224 / 56 measured +1.5%, +1.6%, +2.2% and -1.0% in four sets of
+  interleaved rounds on an H100, the same bits: within the noise, if anything a little faster; 232 / 40 and
+  240 / 24 were no faster, runs 95-97, ``bench --only attnnreg``).
 
 Measured (H200 runs 48-56, release shape, interleaved with sp in one process): 448-495 TFLOP/s against sp's
 453-474, faster in 22 of 24 pairs of rows, +3.1% on average (-1.5% to +6.9%); 2560 random slots a query (start
