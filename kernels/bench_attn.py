@@ -1,5 +1,6 @@
-"""The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attntrace,
-attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s docstring."""
+"""The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attnpp,
+attnnreg, attntrace, attncl, attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s
+docstring."""
 import json
 import statistics
 
@@ -117,7 +118,6 @@ SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 # pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
-                 dict(ctas=132, late_s0=True, o_in_p=True, nreg=(216, 72)),     # the register split before run 94
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
 PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))
