@@ -51,6 +51,9 @@ Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent gri
 - each consumer publishing its row sums as soon as they are final (``early_sum``, beside late_s0 and o_in_p), so
   consumer 1's epilogue no longer waits for consumer 0's last P V: the same bits, no gain (run 90, H100; the
   code is in a5eefcd).
+- consumer 0 publishing m0 right after its row maxima, before its exponentials, so consumer 1 takes its softmax
+  and publishes P1 without waiting for P0 (its P0 V0[:, R] then issued after P1, no longer under its softmax):
+  the same bits, 2% slower (run 98, H100: 499.6 against 510.7 TFLOP/s, medians of 20; the code is in 9f09efc).
 What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles against 4096 of tensor work at the
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
@@ -102,8 +105,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  early_m0: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -154,11 +156,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     after takes most of it back. On the default path (sparse_attn_tl.FWD_PP_BOUNDARY) since run 92 passed its
     tests with them (H100: +1-4% on average over three rounds, the same bits).
 
-    ``early_m0`` (opt-in, run 98): consumer 0 publishes m0 as soon as it has the row maxima (``bar_m0``), before its
-    exponentials, and consumer 1 takes its softmax on that, publishes P1, and only then waits for P0 and issues
-    P0 V0[:, R] (which then no longer runs under its softmax): the chain link P0 -> softmax 1 becomes m0 -> softmax 1.
-    The same arithmetic in the same order for each value, the same bits.
-
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
@@ -188,7 +185,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
-    EM = bool(early_m0)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -327,9 +323,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 acc_o[h, d] *= a[h]
 
     @T.macro
-    def row_max(acc_s, m_old, m, vote):
-        """softmax's first step: m = max(m_old, rowmax S) (lazy: kept at m_old unless a row would move by more than
-        tau)."""
+    def softmax(acc_s, m_old, m, a, ls, l, vote):
+        """A consumer's softmax of its block: m = max(m_old, rowmax S), a = exp2(c (m_old - m)), S <- exp2(c S - c m)
+        (fp32, P before its bf16 rounding), l = l a + rowsum (l was under m_old). lazy (tau = ``lazy``): a warp keeps
+        m = m_old for all its rows unless one of them would move by more than tau in log2 units (P <= 2^tau)."""
         T.copy(m_old, m)
         if SM:
             T.reduce_max(acc_s, m, dim=1, clear=False)
@@ -339,10 +336,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 vote[0] = vote[0] | T.if_then_else((m[h] - m_old[h]) * c > lazy, 1, 0)
             if T.any_sync(vote[0]) == 0:
                 T.copy(m_old, m)
-
-    @T.macro
-    def probs_of(acc_s, m_old, m, a, ls, l):
-        """softmax's second step, m already the new max."""
         if SM:
             probs(acc_s, m_old, m, a, ls, l)
         else:
@@ -350,14 +343,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.fill(ls, 1)
             for h in T.Parallel(H):
                 l[h] = l[h] * a[h] + ls[h]
-
-    @T.macro
-    def softmax(acc_s, m_old, m, a, ls, l, vote):
-        """A consumer's softmax of its block: m = max(m_old, rowmax S), a = exp2(c (m_old - m)), S <- exp2(c S - c m)
-        (fp32, P before its bf16 rounding), l = l a + rowsum (l was under m_old). lazy (tau = ``lazy``): a warp keeps
-        m = m_old for all its rows unless one of them would move by more than tau in log2 units (P <= 2^tau)."""
-        row_max(acc_s, m_old, m, vote)
-        probs_of(acc_s, m_old, m, a, ls, l)
 
     @T.macro
     def rescale(acc_o, l, a, m_from, m_to, vote):
@@ -379,7 +364,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, bar_m0, p_free0, p_free1, t0s, Lse, bi, mi):
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
         """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
         ib = k % NB
         if not P:                                       # persistent: issued before the previous query's epilogue
@@ -391,13 +376,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
             stamp(12 * i + 2, t0s, Lse, bi, mi)
-            if EM:                                      # m0 to consumer 1 before the exponentials
-                row_max(acc_s, m, m0, vote)
-                T.copy(m0, mx_s[0, :])
-                T.barrier_arrive(bar_m0)
-                probs_of(acc_s, m, m0, a, ls, l)
-            else:
-                softmax(acc_s, m, m0, a, ls, l, vote)   # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
+            softmax(acc_s, m, m0, a, ls, l, vote)       # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
             scale_o(acc_o, a, vote)                     # O_L under m0
             T.barrier_wait(p_free0, (gp % 2) ^ 1)      # consumer 1 is done with P0 of the pair before
             if OP:                                      # the previous query's O pieces in P0, P1 are read
@@ -407,8 +386,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                         T.sync_threads(3, 128)
                         T.barrier_arrive(p_free1)       # (the previous query's last pair's, held back)
             T.copy(acc_s, p_s[0, :, :])
-            if not EM:
-                T.copy(m0, mx_s[0, :])
+            T.copy(m0, mx_s[0, :])
             T.fence_proxy_async()                       # P0: generic stores, read next by WGMMA (async proxy)
             T.barrier_arrive(bar_p0)
             stamp(12 * i + 3, t0s, Lse, bi, mi)
@@ -448,7 +426,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer1(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
-                  free, bar_p0, bar_p1, bar_m0, p_free0, p_free1, t0s, Lse, bi, mi):
+                  free, bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi):
         """Consumer 1's pairs of the CTA's k-th query."""
         ib = k % NB
         T.barrier_wait(bar_q, k % 2)
@@ -461,7 +439,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
             qk_half(z, R, 1, acc_s, q_s, kv_s)
-            T.barrier_wait(bar_m0 if EM else bar_p0, gp % 2)   # m0 (and, unless early_m0, P0) of pair i
+            T.barrier_wait(bar_p0, gp % 2)             # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
             T.wait_wgmma(0)                             # S1 done (O_R must not be touched while it runs)
@@ -470,9 +448,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     T.barrier_arrive(q_free)            # my last QK of this query is done
             stamp(12 * i + 8, t0s, Lse, bi, mi)
             rescale(acc_o, l, a, m, m0, vote)           # O_R, l under m0
-            if not EM:
-                T.barrier_wait(ready[0 + R], gp % 2)
-                pv(z, 0, R, acc_o, p_s, kv_s)           # runs under the softmax
+            T.barrier_wait(ready[0 + R], gp % 2)
+            pv(z, 0, R, acc_o, p_s, kv_s)               # runs under the softmax
             stamp(12 * i + 9, t0s, Lse, bi, mi)
             softmax(acc_s, m0, m, a, ls, l, vote)       # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
             stamp(12 * i + 10, t0s, Lse, bi, mi)
@@ -482,10 +459,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.fence_proxy_async()
             T.barrier_arrive(bar_p1)
             stamp(12 * i + 11, t0s, Lse, bi, mi)
-            if EM:                                      # P0 V0[:, R] after P1 is out (P0 may come later than m0)
-                T.barrier_wait(bar_p0, gp % 2)
-                T.barrier_wait(ready[0 + R], gp % 2)
-                pv(z, 0, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
             T.barrier_arrive(p_free0)
@@ -500,7 +473,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q,
-                  q_free, ready, free, bar_p0, bar_p1, bar_m0, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
+                  q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
         """Consumer w's k-th query of the CTA: its pairs, the row sums' exchange, its epilogue. Persistent: consumer
         0 issues the next query's first QK (Q and stage 0 are already there) before the exchange and the epilogue,
         so the tensor core runs it under their FP32 work (run 70: +3-6%); it is waited for before the loop's back
@@ -510,7 +483,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.fill(m, -1e30)
         pairs = consumer0 if w == 0 else consumer1
         pairs(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready, free,
-              bar_p0, bar_p1, bar_m0, p_free0, p_free1, t0s, Lse, bi, mi)
+              bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi)
         if P and w == 0 and not LS:
             if k < NQ - 1:
                 issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
@@ -532,7 +505,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
-                 bar_m0, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
+                 p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
         """Consumer warpgroup w: its registers and its queries (one, or the persistent CTA's cta, cta + ctas, ...)."""
         acc_s = T.alloc_fragment([H, BI], F32)
         acc_o = T.alloc_fragment([H, DH], F32)
@@ -551,11 +524,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             for k in T.serial(NQ):
                 n = cta + k * ctas
                 one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s,
-                          bar_q, q_free, ready, free, bar_p0, bar_p1, bar_m0, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
+                          bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
                           n // M, n % M)
         else:
             one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q,
-                      q_free, ready, free, bar_p0, bar_p1, bar_m0, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+                      q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
 
     @T.macro
     def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi):
@@ -625,7 +598,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         free = T.alloc_barrier(arrive_count=[128] * 4)
         bar_p0 = T.alloc_barrier(arrive_count=128)
         bar_p1 = T.alloc_barrier(arrive_count=128)
-        bar_m0 = T.alloc_barrier(arrive_count=128) if EM else None   # early_m0: m0 of the pair, before P0
         p_free0 = T.alloc_barrier(arrive_count=128)
         p_free1 = T.alloc_barrier(arrive_count=128)
         bar_end = T.alloc_barrier(arrive_count=256)
@@ -639,10 +611,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.sync_threads()
         if tx < 128:
             consumer(0, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0,
-                     bar_p1, bar_m0, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+                     bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
         elif tx < 256:
             consumer(1, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0,
-                     bar_p1, bar_m0, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+                     bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
         else:
             producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi)
 
@@ -670,7 +642,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "early_m0"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
