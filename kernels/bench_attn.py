@@ -222,7 +222,7 @@ def _pp_rounds(results, args, opts):
     H, D = q.shape[2], q.shape[3]
     ip128 = sa._pad_idx(idx, 128)
     o_def, lse_def = sa._fwd(q, kv, sink, idx, scale)
-    rounds = getattr(args, "rounds", 3)
+    rounds = args.rounds
     times: dict[str, list[float]] = {}
     for rnd in range(rounds):
         variant = f"default _fwd {sa.FWD_PP_BOUNDARY}"

@@ -472,7 +472,7 @@ def _fwd(q, kv, sink, idx, scale, block: int = 64, impl: str | None = None):
         idx = _pad_idx(idx, 128)
         ctas = sms if FWD_PP_PERSISTENT and B * M > sms and pp_fits(H, D, idx.shape[-1], ctas=sms) else 0
         opts = dict(FWD_PP_BOUNDARY) if ctas else {}
-        if opts.get("o_in_p") and not pp_fits(H, D, idx.shape[-1], ctas=ctas, o_in_p=True):
+        if opts.get("o_in_p") and not pp_fits(H, D, idx.shape[-1], ctas=ctas, **opts):
             opts["o_in_p"] = False
         k = fwd_kernel_pp(H, D, idx.shape[-1], float(scale), ctas=ctas, **opts)
     elif impl in ("sp", "pp", "cl") and block == BI and sp_fits(H, D, -(-idx.shape[-1] // BI) * BI):
