@@ -22,38 +22,8 @@ cores busy. A producer warpgroup with few registers gathers the KV rows. What ma
   interleaved rounds on an H100, the same bits: within the noise, if anything a little faster; 232 / 40 and
   240 / 24 were no faster, runs 95-97, ``bench --only attnnreg``).
 
-Measured (H200 runs 48-56, release shape, interleaved with sp in one process): 448-495 TFLOP/s against sp's
-453-474, faster in 22 of 24 pairs of rows, +3.1% on average (-1.5% to +6.9%); 2560 random slots a query (start
-and end amortised): 524-563 vs 512-552. Ablations: without the gathers after the first pair +3-12% (499-540),
-without the softmax +2-7% (491-513). So what limits it now is mostly the gathers' latency: with two 64 KB stages
-(Q takes the rest of the shared memory) a stage half is refilled only once its last reader is done, and the next
-QK waits for that gather.
-
-Tried and not kept (BENCHMARKS runs 50-56; commit 961eac8 has the persistent grid's code):
-- the local P V from registers (RS WGMMA): no gain;
-- the copies' ``.L2::128B`` prefetch hint: no gain;
-- stages gathered and signalled by D quarters, so a QK starts on a stage's first quarter: no gain;
-- consumer 1's P0 V0[:, R] issued between its QK halves, to fill the wait for the stage half it frees last: 5%
-  slower (that P V is worth more under the softmax);
-- a persistent grid that kept Q's buffer for the next Q and stored O straight from the accumulators: 8-12% slower
-  (run 51; ``ctas`` below stages O in a KV stage instead, and is faster);
-- gathering the first pair with indices from global memory beside the Q load: no gain;
-- consumer 0 freeing stage 0's left half as soon as its P V ends rather than after P1 arrives: no gain (run 57);
-- the next pair's QK queued behind consumer 1's P1 V1[:, R] (so stage 1's right half has a whole QK to refill);
-  consumer 1's softmax before its P0 V0[:, R]; consumer 0 publishing P0 before rescaling O_L and seeding the next
-  block before waiting for P1: each bitwise the same output, none faster beyond the noise (runs 59-62);
-- O stored from shared memory by the warpgroups' 16-byte stores instead of one TMA store, so a CTA need not wait
-  for the TMA's reads before it exits: 3-7% slower (run 66).
-- consumer 1 issuing each S1's right half first and the producer gathering stage 1's right half first (at a query
-  boundary that half holds consumer 1's O, stored ~2800 cycles before consumer 0's): S1 starts ~700 cycles earlier
-  in a query's first pair, but the chain takes it back (a query 48398 traced cycles against 48178); -1% to +3%
-  over four pairs of rows, within the noise (run 88, H100).
-- each consumer publishing its row sums as soon as they are final (``early_sum``, beside late_s0 and o_in_p), so
-  consumer 1's epilogue no longer waits for consumer 0's last P V: the same bits, no gain (run 90, H100; the
-  code is in a5eefcd).
-- consumer 0 publishing m0 right after its row maxima, before its exponentials, so consumer 1 takes its softmax
-  and publishes P1 without waiting for P0 (its P0 V0[:, R] then issued after P1, no longer under its softmax):
-  the same bits, 2% slower (run 98, H100: 499.6 against 510.7 TFLOP/s, medians of 20; the code is in 9f09efc).
+Measured (H200 runs 48-56), and every schedule change tried and not kept since, with its run and the commit that
+holds its code: BENCHMARKS.md, "fwd_kernel_pp: measured, and tried and not kept".
 What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles against 4096 of tensor work at the
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
@@ -81,12 +51,11 @@ Next step. The chain is serial because one query's blocks are split between two 
 size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
 order (each block's P is rounded under its own running max, each output half takes its two P V products in block
 order with a rescale between). Independent chains per SM would hide it, as FlashAttention-3 does with two query
-tiles: a 2-CTA cluster splitting D (each CTA holds Q[:, half] and the KV stages' halves, partial QK scores exchanged
-through distributed shared memory) leaves each warpgroup 64 x 256 outputs, so the two warpgroups of a CTA could
-each own a different query. Its shared memory (Q halves, stages and score-exchange buffers for two queries) is the
-first thing to fit. Not the lever (run 74): the gathers' cp.async writes overlap the QK's shared-memory WGMMAs
-completely (a copy warpgroup beside m64n64 WGMMAs costs the longer of the two, not their sum), so the QK is not
-shared-memory bound and merging a pair's two QKs into one m64n128 has no bandwidth case.
+tiles; the 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is that design and is correct, but its
+per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain, more than two chains an SM
+hide. Not the lever (run 74): the gathers' cp.async writes overlap the QK's shared-memory WGMMAs completely (a copy
+warpgroup beside m64n64 WGMMAs costs the longer of the two, not their sum), so the QK is not shared-memory bound and
+merging a pair's two QKs into one m64n128 has no bandwidth case.
 """
 import functools
 
