@@ -17,6 +17,8 @@ def _attn_release_inputs(args):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(B, M, H, D, device="cuda", generator=g).bfloat16()
     kv = torch.randn(B, N, D, device="cuda", generator=g).bfloat16()
+    if args.attn_data == "settled":                 # the window's rows (the first two blocks of each index row)
+        kv[:, :M] *= 4                              # hold each row's maximum: later blocks rarely move it
     sink = torch.randn(H, device="cuda", generator=g)
     i = torch.arange(M, device="cuda")[:, None]
     w = i - 127 + torch.arange(128, device="cuda")[None]
@@ -31,7 +33,7 @@ def _attn_release_inputs(args):
     by_f = q.numel() * 2 * 2 + B * M * T * (D * 2 + 4)              # q, o, gathered kv rows + indices
     by_b = q.numel() * 2 * 4 + B * M * T * (D * 2 + D * 4 + 4)      # q, o, do, dq + kv rows read, dkv rows added
     holes = (idx < 0).float().mean().item()
-    print(f"-- sparse attention, release prefill: B={B} M={M} H={H} D={D} T={T} N={N}; "
+    print(f"-- sparse attention, release prefill: B={B} M={M} H={H} D={D} T={T} N={N}, {args.attn_data} scores; "
           f"holes {holes:.1%}; FLOPs fwd 2*B*M*H*T*2D = {fl / 1e9:.1f} G, bwd 2.5x. TFLOP/s below count all T slots "
           f"(the kernels compute on the zero-filled holes, as the release's and the published sparse-MLA figures do); "
           f"over the visible slots only they are x{1 - holes:.3f}. GB/s: gathered KV rows once per use (from L2 "
@@ -118,6 +120,8 @@ SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 # pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, o_direct=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, exact_skip=True),
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
 PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))

@@ -53,6 +53,7 @@ BAD = [
     ("-m functional_dsv41.kernels.bench", ["--m", "0"], 2, "--m"),
     ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
     ("-m functional_dsv41.kernels.bench", ["--rounds", "0"], 2, "--rounds"),
+    ("-m functional_dsv41.kernels.bench", ["--attn-data", "bogus"], 2, "--attn-data"),
     ("scripts/param_count.py", ["a.json", "extra"], 2, "unrecognized arguments: extra"),
     ("scripts/param_count.py", [NOTHERE + ".json"], 2, NOTHERE),
     ("scripts/kernel_sources.py", ["compare", NOTHERE + "_a", NOTHERE + "_b"], 2, NOTHERE),
