@@ -28,13 +28,15 @@ What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles ag
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
-What bounds it (run 67): on the H200 FP32-pipe issue and tensor-core execution barely overlap (an independent FFMA
-stream beside bf16 WGMMAs costs 96-100% of their times' sum), so the consumers' FP32 work - ~256 FMULs a thread per
-pair for the two O rescales the release's numerics need, plus the softmax - adds to the pair's WGMMAs (4096 cycles at
-peak, ~4200-4700 at measured rates) rather than hiding under them: ~5000-5500 cycles a pair, against ~6000-6400.
-Fewer FP32 instructions per pair is the lever within this schedule: skipping an O rescale when a warp's row maxima
-did not move is exact but rare on random scores; FlashAttention-4's threshold (``lazy``, not the release's bits) skips
-nearly all of them and measured ~0-1% for one CTA a query, 3-5% on the persistent grid (runs 68-73).
+What bounds it. Run 67 found that FP32-pipe issue and tensor-core execution barely overlap in a micro-benchmark (an
+independent FFMA stream beside bf16 WGMMAs costs 96-100% of their times' sum), which suggested that the consumers'
+FP32 work (~256 FMULs a thread per pair for the two O rescales the release's numerics need, plus the softmax) adds
+to the pair's WGMMAs (4096 cycles at peak, ~4200-4700 at measured rates). Run 99 says otherwise for the rescales: a
+warp skipping every rescale whose factors are all exactly 1 (the same bits) gained nothing even on scores where ~80%
+of them are skipped. So a pair's ~6000-6400 cycles are the chain's latencies (gathers, barriers, WGMMA waits), not
+its FP32 issue. FlashAttention-4's threshold (``lazy``, not the release's bits) measured ~0-1% for one CTA a query
+and 2-5% on the persistent grid (runs 68-73, 94, 99); since skipped rescales alone give nothing, that gain has
+another cause, not yet found.
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
@@ -65,51 +67,6 @@ from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32
 
 
-_ODIRECT_SRC = r"""
-__device__ __forceinline__ unsigned dsv41_bf16x2(float lo, float hi) {   // (inserted above the CUDA includes)
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-// Columns [8 j0, 8 j0 + 32 nq) of a warpgroup's m64nN fp32 WGMMA accumulator as bf16 rows of o (row stride ld
-// elements). Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 and + 8, columns 8 j + 2 (t % 4) and
-// + 1: acc[4 j + 2 h + e] (h: the row + 8, e: the column + 1). The four threads of a row trade their 4-byte pieces
-// in two shuffle rounds (lanes r ^ 1, then r ^ 2), so that thread r holds the 8 columns of group 4 q + r: one
-// 16-byte store a thread per four groups and row.
-__device__ __forceinline__ void dsv41_store_acc_bf16(const float* acc, void* o, int ld, int j0, int nq) {
-  const int t = threadIdx.x % 128, lane = t % 32;
-  const bool r0 = lane & 1, r1 = lane & 2;
-  const int row = 16 * (t / 32) + lane / 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int q = 0; q < nq; ++q) {
-      unsigned v[4];
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        const int j = j0 + 4 * q + g;
-        v[g] = dsv41_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      }
-      // round 1: keep groups g with g & 1 == r0 (this thread's piece), send the others' to lane ^ 1
-      const unsigned x0 = __shfl_xor_sync(0xffffffffu, r0 ? v[0] : v[1], 1);
-      const unsigned x1 = __shfl_xor_sync(0xffffffffu, r0 ? v[2] : v[3], 1);
-      const unsigned k0 = r0 ? v[1] : v[0], k1 = r0 ? v[3] : v[2];
-      // a<g1><p0>: group (g1, r0), piece (r1, p0)
-      const unsigned a00 = r0 ? x0 : k0, a01 = r0 ? k0 : x0, a10 = r0 ? x1 : k1, a11 = r0 ? k1 : x1;
-      // round 2: keep group g1 == r1, send the other's two pieces to lane ^ 2, receive pieces (!r1, 0 / 1)
-      const unsigned y0 = __shfl_xor_sync(0xffffffffu, r1 ? a00 : a10, 2);
-      const unsigned y1 = __shfl_xor_sync(0xffffffffu, r1 ? a01 : a11, 2);
-      const unsigned c0 = r1 ? a10 : a00, c1 = r1 ? a11 : a01;
-      uint4 w;
-      w.x = r1 ? y0 : c0; w.y = r1 ? y1 : c1; w.z = r1 ? c0 : y0; w.w = r1 ? c1 : y1;
-      const int j = j0 + 4 * q + (lane & 3);
-      *reinterpret_cast<uint4*>(static_cast<unsigned short*>(o) + (row + 8 * h) * ld + 8 * j) = w;
-    }
-  }
-}
-"""
-
-
 def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = False) -> int:
     """fwd_kernel_pp's shared memory in bytes: Q, two KV stages, P of both blocks of a pair, the index row(s)
     (o_in_p: and a third 64 x 64 bf16 piece of O where D = 512)."""
@@ -119,8 +76,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  o_direct: bool = False, exact_skip: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -195,15 +151,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
     if o_in_p and not (late_s0 and BI == 64):
         raise ValueError("fwd_kernel_pp: o_in_p needs late_s0 (and BI = 64: a P buffer holds 64 x 64 of O)")
-    if o_direct and not o_in_p:
-        raise ValueError("fwd_kernel_pp: o_direct needs o_in_p (and so late_s0 and the persistent grid)")
     if not 0 <= lazy <= 16:
         raise ValueError(f"fwd_kernel_pp: lazy must be in [0, 16] (log2 units; P <= 2^lazy in bf16), got {lazy!r}")
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
-    OD = bool(o_direct)
-    XS = bool(exact_skip)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -240,27 +192,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             acc_o[h, d] /= l[h]
         if w == 0:                                      # trace: the last pair's free consumer-0 slots
             stamp(12 * (NP - 1) + 5, t0s, Lse, bi, mi)
-        if OD and w == 1:
-            # o_direct: O_R straight from the accumulators (16-byte stores); stage 1's right half was freed at the
-            # last P V
-            T.call_extern("handle", "dsv41_store_acc_bf16", acc_o.data, T.access_ptr(O[bi, mi, 0, DH], "w", 8), D, 0,
-                          DH // 32)
-        elif OP and w == 0:
-            # o_in_p: only O_L's last 64 columns go through stage 1 (stored first, its own bulk group; o_direct:
-            # straight from the accumulators, the stage freed at the last P V), the others through P0, P1 (free
-            # until this consumer's next P0 and consumer 1's next P1) and o_s
-            if OD:
-                T.call_extern("handle", "dsv41_store_acc_bf16", acc_o.data, T.access_ptr(O[bi, mi, 0, 0], "w", 8), D,
-                              (DH - 64) // 8, 2)
-            else:
-                T.copy(acc_o[:, DH - 64:DH], kv_s[1, :, DH - 64:DH])
-                T.tma_copy(kv_s[1, :, DH - 64:DH], O[bi, mi, :, DH - 64:DH])
+        if OP and w == 0:
+            # o_in_p: only O_L's last 64 columns go through stage 1 (stored first, its own bulk group), the others
+            # through P0, P1 (free until this consumer's next P0 and consumer 1's next P1) and o_s
+            T.copy(acc_o[:, DH - 64:DH], kv_s[1, :, DH - 64:DH])
+            T.tma_copy(kv_s[1, :, DH - 64:DH], O[bi, mi, :, DH - 64:DH])
             for j in OPJ:
                 T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :] if j < 2 else o_s)
             stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
-            if not OD:
-                T.tma_store_wait(0)                     # the stage's piece is read (under the writes above):
-                T.barrier_arrive(free[2 + w])           # stage 1's left half is free for the next query
+            T.tma_store_wait(0)                         # the stage's piece is read (under the writes above):
+            T.barrier_arrive(free[2 + w])               # stage 1's left half is free for the next query
             for j in OPJ:
                 T.tma_copy(p_s[j, :, :] if j < 2 else o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
         elif LS:                                        # the store's reads are waited for in release_o
@@ -288,7 +229,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """late_s0: stage 1's half w is free once the O store issued by the epilogue has read it. Only the issuing
         thread has a bulk group to wait for; each thread arrives after its own wait, so the phase completes after
         the issuer's."""
-        if not (OP and w == 0) and not OD:              # (o_in_p: the epilogue freed it; o_direct: the last P V)
+        if not (OP and w == 0):                         # (o_in_p: the epilogue freed it already)
             T.tma_store_wait(0)
             T.barrier_arrive(free[2 + w])
 
@@ -341,7 +282,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     def scale_o(acc_o, a, vote):
         """O half *= a per row. lazy: skipped when no row of the warp has a != 1 (a warp-uniform branch: the factors
         are then all exactly 1, so skipping changes no bit)."""
-        if LZ or XS:
+        if LZ:
             vote[0] = 0
             for h in T.Parallel(H):
                 vote[0] = vote[0] | T.if_then_else(a[h] != 1.0, 1, 0)
@@ -449,7 +390,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                         T.barrier_arrive(q_free)        # my last QK of this query is done
             else:
                 T.wait_wgmma(0)
-                if not P or OD:                         # persistent: the epilogue frees it (O is staged there)
+                if not P:                               # persistent: the epilogue frees it (O is staged there)
                     T.barrier_arrive(free[2 + L])
                 if not OP:                              # o_in_p: once O's pieces in P0, P1 are read
                     T.barrier_arrive(p_free1)
@@ -495,7 +436,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             scale_o(acc_o, a, vote)                     # O_R under m1
             pv(z, 1, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)
-            if P and not OD:
+            if P:
                 if i < NP - 1:                          # the last pair's: the epilogue frees it (O is staged there)
                     T.barrier_arrive(free[2 + R])
             else:
@@ -547,8 +488,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         vote = T.alloc_local([1], I32)
         z = T.alloc_var(I32)
         T.set_max_nreg(nreg[0], 1)
-        if OD:
-            T.import_source(_ODIRECT_SRC)
         if P:
             if w == 0:
                 if NQ > 0:
@@ -674,7 +613,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "o_direct", "exact_skip"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
