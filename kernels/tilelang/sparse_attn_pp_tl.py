@@ -31,12 +31,13 @@ P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1
 What bounds it. Run 67 found that FP32-pipe issue and tensor-core execution barely overlap in a micro-benchmark (an
 independent FFMA stream beside bf16 WGMMAs costs 96-100% of their times' sum), which suggested that the consumers'
 FP32 work (~256 FMULs a thread per pair for the two O rescales the release's numerics need, plus the softmax) adds
-to the pair's WGMMAs (4096 cycles at peak, ~4200-4700 at measured rates). Run 99 says otherwise for the rescales: a
-warp skipping every rescale whose factors are all exactly 1 (the same bits) gained nothing even on scores where ~80%
-of them are skipped. So a pair's ~6000-6400 cycles are the chain's latencies (gathers, barriers, WGMMA waits), not
-its FP32 issue. FlashAttention-4's threshold (``lazy``, not the release's bits) measured ~0-1% for one CTA a query
-and 2-5% on the persistent grid (runs 68-73, 94, 99); since skipped rescales alone give nothing, that gain has
-another cause, not yet found.
+to the pair's WGMMAs (4096 cycles at peak, ~4200-4700 at measured rates). Run 99 says that holds for the rescales
+only in small part. The rescales' FMULs are ~512 issue cycles per sub-partition per pair (~8% of a pair), and a
+warp skipping every rescale whose factors are all exactly 1 (the same bits) on scores where ~80% of them can be
+skipped measured +1% (518.8 against 513.7 TFLOP/s, within the rounds' spread), where full exclusion predicts ~6%. So
+most of a pair's ~6000-6400 cycles are the chain's latencies (gathers, barriers, WGMMA waits), not its FP32 issue.
+FlashAttention-4's threshold (``lazy``, not the release's bits) measured ~0-1% for one CTA a query and 2-5% on the
+persistent grid (runs 68-73, 94, 99: +2.5% on those settled scores, where it skips about the same rescales).
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
