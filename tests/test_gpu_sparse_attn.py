@@ -307,6 +307,9 @@ def test_sparse_attn_fwd_pp(shape):
     for _ in range(3):                                 # repeated launches: the same bits (no race between roles)
         o2, lse2 = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    for _ in range(3):                                 # nbar: the P handoffs on named barriers, the same bits
+        o2, lse2 = fwd_kernel_pp(H, D, T, scale, nbar=True)(q, kv, sink.float(), idx)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
 @pytest.mark.parametrize("boundary", ["default", "on"])
@@ -340,8 +343,9 @@ def test_sparse_attn_fwd_default_persistent(T, boundary, monkeypatch):
     assert seen == [dict(ctas=0)]
 
 
-@pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True)],
-                         ids=["", "late_s0", "o_in_p"])
+@pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True),
+                                  dict(late_s0=True, o_in_p=True, nbar=True)],
+                         ids=["", "late_s0", "o_in_p", "nbar"])
 @pytest.mark.parametrize("ctas", [7, 132])
 @pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):

@@ -77,7 +77,8 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
+                  nbar: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -157,6 +158,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
+    NBAR = bool(nbar)
+    # nbar: the consumers' P handoffs on hardware named barriers (bar.arrive / bar.sync over both consumers'
+    # 256 threads) instead of mbarriers; ids above the ones TileLang and this kernel use (3-5)
+    NB_P0, NB_P1, NB_F0, NB_F1 = 8, 9, 10, 11
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -280,6 +285,27 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.wgmma_gemm(p_s[z + b, :, :], kv_s[z + b, :, h * DH:(h + 1) * DH], acc_o)
 
     @T.macro
+    def hand(bar, nid):
+        """Signal the other consumer (bar_p0 / bar_p1 / p_free0 / p_free1; nbar: named barrier nid)."""
+        if NBAR:
+            T.named_barrier_arrive(nid, 256)
+        else:
+            T.barrier_arrive(bar)
+
+    @T.macro
+    def take(bar, nid, gp, first_free):
+        """Wait for the other consumer's signal of global pair gp. first_free: a "free" barrier, whose first wait
+        (gp == 0) passes without a signal (mbarrier: parity (gp % 2) ^ 1; nbar: no wait)."""
+        if NBAR:
+            if first_free:
+                if gp > 0:
+                    T.sync_threads(nid, 256)
+            else:
+                T.sync_threads(nid, 256)
+        else:
+            T.barrier_wait(bar, (gp % 2) ^ 1 if first_free else gp % 2)
+
+    @T.macro
     def scale_o(acc_o, a, vote):
         """O half *= a per row. lazy: skipped when no row of the warp has a != 1 (a warp-uniform branch: the factors
         are then all exactly 1, so skipping changes no bit)."""
@@ -350,20 +376,20 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             stamp(12 * i + 2, t0s, Lse, bi, mi)
             softmax(acc_s, m, m0, a, ls, l, vote)       # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
             scale_o(acc_o, a, vote)                     # O_L under m0
-            T.barrier_wait(p_free0, (gp % 2) ^ 1)      # consumer 1 is done with P0 of the pair before
+            take(p_free0, NB_F0, gp, True)              # consumer 1 is done with P0 of the pair before
             if OP:                                      # the previous query's O pieces in P0, P1 are read
                 if i == 0:
                     if k > 0:                           # (only the store's issuer waits: the others wait for it)
                         T.tma_store_wait(0)
                         T.sync_threads(3, 128)
-                        T.barrier_arrive(p_free1)       # (the previous query's last pair's, held back)
+                        hand(p_free1, NB_F1)            # (the previous query's last pair's, held back)
             T.copy(acc_s, p_s[0, :, :])
             T.copy(m0, mx_s[0, :])
             T.fence_proxy_async()                       # P0: generic stores, read next by WGMMA (async proxy)
-            T.barrier_arrive(bar_p0)
+            hand(bar_p0, NB_P0)
             stamp(12 * i + 3, t0s, Lse, bi, mi)
             pv(z, 0, L, acc_o, p_s, kv_s)
-            T.barrier_wait(bar_p1, gp % 2)             # P1, m1 of pair i
+            take(bar_p1, NB_P1, gp, False)              # P1, m1 of pair i
             stamp(12 * i + 4, t0s, Lse, bi, mi)
             for h in T.Parallel(H):
                 m[h] = mx_s[1, h]
@@ -382,7 +408,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 qk_half(z, L, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(1)                         # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
-                T.barrier_arrive(p_free1)
+                hand(p_free1, NB_F1)
                 T.barrier_wait(ready[0 + R], (gp + 1) % 2)
                 qk_half(z, R, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(0)
@@ -394,7 +420,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 if not P:                               # persistent: the epilogue frees it (O is staged there)
                     T.barrier_arrive(free[2 + L])
                 if not OP:                              # o_in_p: once O's pieces in P0, P1 are read
-                    T.barrier_arrive(p_free1)
+                    hand(p_free1, NB_F1)
 
     @T.macro
     def consumer1(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
@@ -411,7 +437,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
             qk_half(z, R, 1, acc_s, q_s, kv_s)
-            T.barrier_wait(bar_p0, gp % 2)             # P0, m0 of pair i
+            take(bar_p0, NB_P0, gp, False)              # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
             T.wait_wgmma(0)                             # S1 done (O_R must not be touched while it runs)
@@ -425,15 +451,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             stamp(12 * i + 9, t0s, Lse, bi, mi)
             softmax(acc_s, m0, m, a, ls, l, vote)       # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
             stamp(12 * i + 10, t0s, Lse, bi, mi)
-            T.barrier_wait(p_free1, (gp % 2) ^ 1)      # consumer 0 is done with P1 of the pair before
+            take(p_free1, NB_F1, gp, True)              # consumer 0 is done with P1 of the pair before
             T.copy(acc_s, p_s[1, :, :])
             T.copy(m, mx_s[1, :])
             T.fence_proxy_async()
-            T.barrier_arrive(bar_p1)
+            hand(bar_p1, NB_P1)
             stamp(12 * i + 11, t0s, Lse, bi, mi)
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
-            T.barrier_arrive(p_free0)
+            hand(p_free0, NB_F0)
             scale_o(acc_o, a, vote)                     # O_R under m1
             pv(z, 1, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)
@@ -614,7 +640,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "nbar"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
