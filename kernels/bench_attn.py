@@ -1,5 +1,5 @@
 """The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attnpp,
-attnnreg, attntrace, attncl, attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s
+attnnreg, attnbound, attntrace, attncl, attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s
 docstring."""
 import json
 import statistics
@@ -120,9 +120,9 @@ SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 # pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
-                 dict(ctas=132, late_s0=True, o_in_p=True, nbar=True),
-                 dict(ctas=132, late_s0=True, o_in_p=True, nbar=True, lazy=8.0),
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
+# the "attnbound" section's ablations of the default path's persistent pp kernel
+PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="nosoftmax"))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
 PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))
 
@@ -217,6 +217,17 @@ def attention_nreg(results, args):
     _pp_rounds(results, args, tuple(dict(ctas=132, nreg=n, **sa.FWD_PP_BOUNDARY) for n in PP_NREG_SPLITS))
 
 
+def attention_bound(results, args):
+    """What bounds the default forward (release shape): its persistent pp kernel (FWD_PP_BOUNDARY's options) against
+    the same kernel's ablations, interleaved over ``args.rounds`` rounds: ``diag="gather"`` (the KV gathers alone,
+    at the kernel's two stages: nothing computed), "compute" (the compute alone, on stale rows after the first
+    pair), "nolatency" (every gather issued, each stage signalled ready at once: the gathers' traffic without their
+    latency) and "nosoftmax" (P = S). compute against the default says what the gathers cost; nolatency says
+    whether that is their latency on the chain (nolatency near compute) or their traffic (near the default)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    _pp_rounds(results, args, tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in PP_BOUND_DIAGS))
+
+
 def _pp_rounds(results, args, opts):
     """attention_pp's rounds: the default forward, then the persistent pp kernel with each dict of ``opts``."""
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
@@ -241,7 +252,7 @@ def _pp_rounds(results, args, opts):
                 o, lse = kf(q, kv, sink, ip128)
                 same = torch.equal(o, o_def) and torch.equal(lse, lse_def)
                 r = row(name, bench(lambda: kf(q, kv, sink, ip128)), fl, by_f,
-                        "same bits as the default" if same else
+                        "ablation (wrong outputs)" if kw.get("diag") else "same bits as the default" if same else
                         f"DIFFERS from the default: o max abs {(o.float() - o_def.float()).abs().max():.2e}")
                 results.append(r)
                 times.setdefault(variant, []).append(r["ms"])

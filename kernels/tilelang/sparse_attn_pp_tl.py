@@ -28,16 +28,19 @@ What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles ag
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
-What bounds it. Run 67 found that FP32-pipe issue and tensor-core execution barely overlap in a micro-benchmark (an
-independent FFMA stream beside bf16 WGMMAs costs 96-100% of their times' sum), which suggested that the consumers'
-FP32 work (~256 FMULs a thread per pair for the two O rescales the release's numerics need, plus the softmax) adds
-to the pair's WGMMAs (4096 cycles at peak, ~4200-4700 at measured rates). Run 99 says that holds for the rescales
-only in small part. The rescales' FMULs are ~512 issue cycles per sub-partition per pair (~8% of a pair), and a
-warp skipping every rescale whose factors are all exactly 1 (the same bits) on scores where ~80% of them can be
-skipped measured +1% (518.8 against 513.7 TFLOP/s, within the rounds' spread), where full exclusion predicts ~6%. So
-most of a pair's ~6000-6400 cycles are the chain's latencies (gathers, barriers, WGMMA waits), not its FP32 issue.
-FlashAttention-4's threshold (``lazy``, not the release's bits) measured ~0-1% for one CTA a query and 2-5% on the
-persistent grid (runs 68-73, 94, 99: +2.5% on those settled scores, where it skips about the same rescales).
+What bounds it (``bench --only attnbound``, run 102, H100, medians of 16 rounds at the release shape): the kernel
+as it is 523 TFLOP/s; its compute alone ("compute": no gathers after the first pair) 630; every gather issued but
+each stage signalled ready at once ("nolatency": the gathers' traffic without their latency on the chain) 541; the
+gathers alone ("gather", nothing computed) take 0.26 ms of the kernel's 0.66. So the gathers' latency costs ~3% and
+their traffic ~14%: what the cp.async writes take from the WGMMAs, most likely shared-memory bandwidth. A QK's
+m64n64k16 WGMMAs read both operands from shared memory, 4 KB per 32 cycles at peak: all of its 128 B/clk. Stage 1 is
+regathered while consumer 0's next QK runs. Per pair the WGMMAs read ~416 KB, the gathers write 128 KB, P 16 KB.
+The softmax costs ~3% ("nosoftmax" 539). The FP32 rescales are not the bound (run 99): a warp skipping every rescale
+whose factors are all exactly 1 (the same bits), on scores where ~80% of them can be skipped, measured +1%, within
+the noise. Run 67's micro-benchmark (an FFMA stream beside WGMMAs costs about the sum of both) predicted ~6%.
+FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5% on the persistent grid (runs 68-73,
+94, 99). Nor is the handoff mechanism: named barriers in place of the consumers' four P mbarriers gave the same
+time (run 100, the code in 5c65f1a).
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
@@ -50,15 +53,15 @@ top: 508-528. What is left at a query's boundary (the persistent traces, stretch
 warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
 (433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
-Next step. The chain is serial because one query's blocks are split between two warpgroups, which the output's
-size forces (64 heads x 512 fp32 is 256 registers a thread for one warpgroup) and the release's numerics keep in
-order (each block's P is rounded under its own running max, each output half takes its two P V products in block
-order with a rescale between). Independent chains per SM would hide it, as FlashAttention-3 does with two query
-tiles; the 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is that design and is correct, but its
-per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain, more than two chains an SM
-hide. Not the lever (run 74): the gathers' cp.async writes overlap the QK's shared-memory WGMMAs completely (a copy
-warpgroup beside m64n64 WGMMAs costs the longer of the two, not their sum), so the QK is not shared-memory bound and
-merging a pair's two QKs into one m64n128 has no bandwidth case.
+Next step. Less shared-memory traffic where the QKs run. Merging a pair's two QKs into one m64n128 reads Q once a
+pair: -64 KB of the ~570 KB. But one consumer then holds both blocks' scores, and the other gets its block's through
+shared memory or recomputes them, which undoes the ping-pong. Q (128 registers a thread) does not fit beside an
+output half (128) and the scores (32), so it cannot come from registers. Independent chains per SM, as
+FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
+thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
+per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Run 74's micro-benchmark (a
+copy warpgroup beside m64n64 WGMMAs cost the longer of the two) does not carry over to this kernel: run 102 measured
+the gathers' traffic at ~14%.
 """
 import functools
 
@@ -77,8 +80,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  nbar: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -130,7 +132,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     tests with them (H100: +1-4% on average over three rounds, the same bits).
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
-    re-signals the stages (stale rows: the compute alone); "nosoftmax" = no row maxima or exponentials (P = S);
+    re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
+    each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
+    "nolatency" = every gather is issued as usual, but its stage half is signalled ready at once, not when its rows
+    have landed (the gathers' traffic without their latency on the chain);
+    "nosoftmax" = no row maxima or exponentials (P = S);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
     into the LSE row instead of the LSE, 12 a pair (TP <= 640) and 4 at the end (persistent: into each query's row,
     still from the CTA's start); ``kernels.bench --only attntrace`` prints their medians as a timeline.
@@ -145,7 +151,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
-    if diag not in ("", "compute", "nosoftmax", "trace"):
+    if diag not in ("", "compute", "nosoftmax", "trace", "gather", "nolatency"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
@@ -158,10 +164,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
-    NBAR = bool(nbar)
-    # nbar: the consumers' P handoffs on hardware named barriers (bar.arrive / bar.sync over both consumers'
-    # 256 threads) instead of mbarriers; ids above the ones TileLang and this kernel use (3-5)
-    NB_P0, NB_P1, NB_F0, NB_F1 = 8, 9, 10, 11
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -285,27 +287,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.wgmma_gemm(p_s[z + b, :, :], kv_s[z + b, :, h * DH:(h + 1) * DH], acc_o)
 
     @T.macro
-    def hand(bar, nid):
-        """Signal the other consumer (bar_p0 / bar_p1 / p_free0 / p_free1; nbar: named barrier nid)."""
-        if NBAR:
-            T.named_barrier_arrive(nid, 256)
-        else:
-            T.barrier_arrive(bar)
-
-    @T.macro
-    def take(bar, nid, gp, first_free):
-        """Wait for the other consumer's signal of global pair gp. first_free: a "free" barrier, whose first wait
-        (gp == 0) passes without a signal (mbarrier: parity (gp % 2) ^ 1; nbar: no wait)."""
-        if NBAR:
-            if first_free:
-                if gp > 0:
-                    T.sync_threads(nid, 256)
-            else:
-                T.sync_threads(nid, 256)
-        else:
-            T.barrier_wait(bar, (gp % 2) ^ 1 if first_free else gp % 2)
-
-    @T.macro
     def scale_o(acc_o, a, vote):
         """O half *= a per row. lazy: skipped when no row of the warp has a != 1 (a warp-uniform branch: the factors
         are then all exactly 1, so skipping changes no bit)."""
@@ -376,20 +357,20 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             stamp(12 * i + 2, t0s, Lse, bi, mi)
             softmax(acc_s, m, m0, a, ls, l, vote)       # m0 = max(m, rowmax S0), a = exp2(c (m - m0))
             scale_o(acc_o, a, vote)                     # O_L under m0
-            take(p_free0, NB_F0, gp, True)              # consumer 1 is done with P0 of the pair before
+            T.barrier_wait(p_free0, (gp % 2) ^ 1)      # consumer 1 is done with P0 of the pair before
             if OP:                                      # the previous query's O pieces in P0, P1 are read
                 if i == 0:
                     if k > 0:                           # (only the store's issuer waits: the others wait for it)
                         T.tma_store_wait(0)
                         T.sync_threads(3, 128)
-                        hand(p_free1, NB_F1)            # (the previous query's last pair's, held back)
+                        T.barrier_arrive(p_free1)       # (the previous query's last pair's, held back)
             T.copy(acc_s, p_s[0, :, :])
             T.copy(m0, mx_s[0, :])
             T.fence_proxy_async()                       # P0: generic stores, read next by WGMMA (async proxy)
-            hand(bar_p0, NB_P0)
+            T.barrier_arrive(bar_p0)
             stamp(12 * i + 3, t0s, Lse, bi, mi)
             pv(z, 0, L, acc_o, p_s, kv_s)
-            take(bar_p1, NB_P1, gp, False)              # P1, m1 of pair i
+            T.barrier_wait(bar_p1, gp % 2)             # P1, m1 of pair i
             stamp(12 * i + 4, t0s, Lse, bi, mi)
             for h in T.Parallel(H):
                 m[h] = mx_s[1, h]
@@ -408,7 +389,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 qk_half(z, L, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(1)                         # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
-                hand(p_free1, NB_F1)
+                T.barrier_arrive(p_free1)
                 T.barrier_wait(ready[0 + R], (gp + 1) % 2)
                 qk_half(z, R, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(0)
@@ -420,7 +401,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 if not P:                               # persistent: the epilogue frees it (O is staged there)
                     T.barrier_arrive(free[2 + L])
                 if not OP:                              # o_in_p: once O's pieces in P0, P1 are read
-                    hand(p_free1, NB_F1)
+                    T.barrier_arrive(p_free1)
 
     @T.macro
     def consumer1(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
@@ -437,7 +418,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
             qk_half(z, R, 1, acc_s, q_s, kv_s)
-            take(bar_p0, NB_P0, gp, False)              # P0, m0 of pair i
+            T.barrier_wait(bar_p0, gp % 2)             # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
             T.wait_wgmma(0)                             # S1 done (O_R must not be touched while it runs)
@@ -451,15 +432,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             stamp(12 * i + 9, t0s, Lse, bi, mi)
             softmax(acc_s, m0, m, a, ls, l, vote)       # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
             stamp(12 * i + 10, t0s, Lse, bi, mi)
-            take(p_free1, NB_F1, gp, True)              # consumer 0 is done with P1 of the pair before
+            T.barrier_wait(p_free1, (gp % 2) ^ 1)      # consumer 0 is done with P1 of the pair before
             T.copy(acc_s, p_s[1, :, :])
             T.copy(m, mx_s[1, :])
             T.fence_proxy_async()
-            hand(bar_p1, NB_P1)
+            T.barrier_arrive(bar_p1)
             stamp(12 * i + 11, t0s, Lse, bi, mi)
             T.wait_wgmma(0)                             # P0 V0[:, R] done: stage 0's right half, P0 free
             T.barrier_arrive(free[0 + R])
-            hand(p_free0, NB_F0)
+            T.barrier_arrive(p_free0)
             scale_o(acc_o, a, vote)                     # O_R under m1
             pv(z, 1, R, acc_o, p_s, kv_s)
             T.wait_wgmma(0)
@@ -502,31 +483,49 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.wait_wgmma(0)                             # no WGMMA in flight across the query loop's back edge
 
     @T.macro
+    def gathers_only(w, NQ, q_free, ready, free):
+        """diag="gather": consumer w waits for its stage's halves (w = 0: stage 0, w = 1: stage 1) of every pair and
+        frees them at once; persistent: says it is past the query's last QK (the producer's next Q waits for it)."""
+        for k in T.serial(NQ):
+            for i in T.serial(NP):
+                gp = k * NP + i
+                T.barrier_wait(ready[2 * w + L], gp % 2)
+                T.barrier_wait(ready[2 * w + R], gp % 2)
+                T.barrier_arrive(free[2 * w + L])
+                T.barrier_arrive(free[2 * w + R])
+            if P:
+                T.barrier_arrive(q_free)
+
+    @T.macro
     def consumer(w, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0, bar_p1,
                  p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi):
         """Consumer warpgroup w: its registers and its queries (one, or the persistent CTA's cta, cta + ctas, ...)."""
-        acc_s = T.alloc_fragment([H, BI], F32)
-        acc_o = T.alloc_fragment([H, DH], F32)
-        m = T.alloc_fragment([H], F32)
-        m0 = T.alloc_fragment([H], F32)
-        a = T.alloc_fragment([H], F32)
-        ls = T.alloc_fragment([H], F32)
-        l = T.alloc_fragment([H], F32)
-        vote = T.alloc_local([1], I32)
-        z = T.alloc_var(I32)
-        T.set_max_nreg(nreg[0], 1)
-        if P:
-            if w == 0:
-                if NQ > 0:
-                    issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
-            for k in T.serial(NQ):
-                n = cta + k * ctas
-                one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s,
-                          bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
-                          n // M, n % M)
+        if diag == "gather":
+            gathers_only(w, NQ, q_free, ready, free)
         else:
-            one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q,
-                      q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
+            acc_s = T.alloc_fragment([H, BI], F32)
+            acc_o = T.alloc_fragment([H, DH], F32)
+            m = T.alloc_fragment([H], F32)
+            m0 = T.alloc_fragment([H], F32)
+            a = T.alloc_fragment([H], F32)
+            ls = T.alloc_fragment([H], F32)
+            l = T.alloc_fragment([H], F32)
+            vote = T.alloc_local([1], I32)
+            z = T.alloc_var(I32)
+            T.set_max_nreg(nreg[0], 1)
+            if P:
+                if w == 0:
+                    if NQ > 0:
+                        issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
+                for k in T.serial(NQ):
+                    n = cta + k * ctas
+                    one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s,
+                              sum_s, o_s, bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s,
+                              Sink, O, Lse, n // M, n % M)
+            else:
+                one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s,
+                          bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
+                          bi, mi)
 
     @T.macro
     def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi):
@@ -540,6 +539,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     else:
                         gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
+                elif diag == "nolatency":
+                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                    T.barrier_arrive(ready[2 * s + h])
                 else:
                     gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
                     T.cp_async_barrier_noinc(ready[2 * s + h])
@@ -575,6 +577,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.cp_async_barrier_noinc(bar_q)
             T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
             query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi)
+        if diag == "nolatency":                          # no copy may land after the CTA has exited
+            T.ptx_commit_group()
+            T.ptx_wait_group(0)
 
     @T.macro
     def cta_body(cta, bi, mi, Q, KV, Sink, Idx, O, Lse):
@@ -640,7 +645,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "nbar"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
