@@ -120,6 +120,9 @@ SLOT_MULTS = (1, 2, 4)
 PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 # pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, nreg=(232, 40)),
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_regs=64),
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_regs=128, nreg=(232, 40)),
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="nosoftmax"))
@@ -224,8 +227,18 @@ def attention_bound(results, args):
     pair), "nolatency" (every gather issued, each stage signalled ready at once: the gathers' traffic without their
     latency) and "nosoftmax" (P = S). compute against the default says what the gathers cost; nolatency says
     whether that is their latency on the chain (nolatency near compute) or their traffic (near the default)."""
+    from functional_dsv41.kernels.bench_gemm import _clock_under_load
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    _pp_rounds(results, args, tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in PP_BOUND_DIAGS))
+    opts = tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in ({},) + PP_BOUND_DIAGS)
+    _pp_rounds(results, args, opts[1:])
+    # the SM clock and board power each variant runs at (a power-capped clock would make traffic cost time)
+    a = _attn_release_inputs(args)
+    ip128 = sa._pad_idx(a["idx"], 128)
+    for kw in opts:
+        kf = pp.fwd_kernel_pp(a["q"].shape[2], a["q"].shape[3], ip128.shape[-1], a["scale"], **kw)
+        print(f"  pp {json.dumps(kw, separators=(',', ':'))}: "
+              f"{_clock_under_load(lambda: kf(a['q'], a['kv'], a['sink'], ip128), seconds=2.0)}", flush=True)
 
 
 def _pp_rounds(results, args, opts):

@@ -80,7 +80,8 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
+                  q_regs: int = 0):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -164,6 +165,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
+    QR = int(q_regs)                    # Q's first QR columns in each consumer's registers (RS WGMMA for them)
+    if QR % 64 or not 0 <= QR <= D // 2:
+        raise ValueError(f"fwd_kernel_pp: q_regs must be a multiple of 64 up to D/2, got {q_regs!r}")
+    QF = {}                             # the calling consumer's Q fragment while its body is traced
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -279,7 +284,19 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def qk_half(z, h, s, acc_s, q_s, kv_s):
-        T.wgmma_gemm(q_s[z, :, h * DH:(h + 1) * DH], kv_s[z + s, :, h * DH:(h + 1) * DH], acc_s, transpose_B=True)
+        if QR and h == L:               # q_regs: the first QR columns from registers (a commit group of their own)
+            T.wgmma_gemm(QF["f"], kv_s[z + s, :, 0:QR], acc_s, transpose_B=True)
+            if QR < DH:
+                T.wgmma_gemm(q_s[z, :, QR:DH], kv_s[z + s, :, QR:DH], acc_s, transpose_B=True)
+        else:
+            T.wgmma_gemm(q_s[z, :, h * DH:(h + 1) * DH], kv_s[z + s, :, h * DH:(h + 1) * DH], acc_s,
+                         transpose_B=True)
+
+    @T.macro
+    def load_qf(z, q_s):
+        """q_regs: the query's first QR columns of Q into the consumer's registers (after its bar_q wait)."""
+        if QR:
+            T.copy(q_s[z, :, 0:QR], QF["f"])
 
     @T.macro
     def pv(z, b, h, acc_o, p_s, kv_s):
@@ -335,6 +352,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """Consumer 0: the QK of the CTA's k-th query's first block (S0 of its first pair), issued, not waited for."""
         T.barrier_wait(bar_q, k % 2)
         z = zs[0]
+        load_qf(z, q_s)
         seed(0, acc_s, idx_s, k % NB)
         T.barrier_wait(ready[0 + L], (k * NP) % 2)
         qk_half(z, L, 0, acc_s, q_s, kv_s)
@@ -387,7 +405,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.barrier_wait(ready[0 + L], (gp + 1) % 2)
                 stamp(12 * i + 6, t0s, Lse, bi, mi)
                 qk_half(z, L, 0, acc_s, q_s, kv_s)
-                T.wait_wgmma(1)                         # P1 V1[:, L] done
+                T.wait_wgmma(2 if 0 < QR < DH else 1)   # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
                 T.barrier_arrive(p_free1)
                 T.barrier_wait(ready[0 + R], (gp + 1) % 2)
@@ -409,6 +427,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """Consumer 1's pairs of the CTA's k-th query."""
         ib = k % NB
         T.barrier_wait(bar_q, k % 2)
+        load_qf(zs[0], q_s)
         for i in T.serial(NP):
             gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
@@ -512,6 +531,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             l = T.alloc_fragment([H], F32)
             vote = T.alloc_local([1], I32)
             z = T.alloc_var(I32)
+            if QR:
+                QF["f"] = T.alloc_fragment([H, QR], BF16)
             T.set_max_nreg(nreg[0], 1)
             if P:
                 if w == 0:
@@ -645,7 +666,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "q_regs"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
