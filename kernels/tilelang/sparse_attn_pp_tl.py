@@ -32,10 +32,11 @@ What bounds it (``bench --only attnbound``, run 102, H100, medians of 16 rounds 
 as it is 523 TFLOP/s; its compute alone ("compute": no gathers after the first pair) 630; every gather issued but
 each stage signalled ready at once ("nolatency": the gathers' traffic without their latency on the chain) 541; the
 gathers alone ("gather", nothing computed) take 0.26 ms of the kernel's 0.66. So the gathers' latency costs ~3% and
-their traffic ~14%: what the cp.async writes take from the WGMMAs, most likely shared-memory bandwidth. A QK's
-m64n64k16 WGMMAs read both operands from shared memory, 4 KB per 32 cycles at peak: all of its 128 B/clk. Stage 1 is
-regathered while consumer 0's next QK runs. Per pair the WGMMAs read ~416 KB, the gathers write 128 KB, P 16 KB.
-The softmax costs ~3% ("nosoftmax" 539). The FP32 rescales are not the bound (run 99): a warp skipping every rescale
+their traffic ~14%. How the traffic costs time is not yet known. Not the clock: every variant runs at 1965-1980 MHz,
+the kernel at 516 W, the compute alone at 455 W (run 105, under a 700 W cap). Not the QKs' shared-memory reads: a
+consumer holding Q's first 128 columns in registers cut them by 12% and gained nothing (run 103, the code in
+70a2597). What is left is where the cp.async data enters the SM: ~128 KB a pair through L1 into shared memory,
+beside the WGMMAs' ~416 KB of operand reads. The softmax costs ~3% ("nosoftmax" 539). The FP32 rescales are not the bound (run 99): a warp skipping every rescale
 whose factors are all exactly 1 (the same bits), on scores where ~80% of them can be skipped, measured +1%, within
 the noise. Run 67's micro-benchmark (an FFMA stream beside WGMMAs costs about the sum of both) predicted ~6%.
 FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5% on the persistent grid (runs 68-73,
@@ -53,10 +54,10 @@ top: 508-528. What is left at a query's boundary (the persistent traces, stretch
 warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
 (433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
-Next step. Less shared-memory traffic where the QKs run. Merging a pair's two QKs into one m64n128 reads Q once a
-pair: -64 KB of the ~570 KB. But one consumer then holds both blocks' scores, and the other gets its block's through
-shared memory or recomputes them, which undoes the ping-pong. Q (128 registers a thread) does not fit beside an
-output half (128) and the scores (32), so it cannot come from registers. Independent chains per SM, as
+Next step: find how the gathers' traffic slows the compute, which is worth up to ~17% (630 against 523). One
+candidate is the path the data takes: TMA (one bulk copy per row half) instead of 16-byte cp.async. Cutting the
+WGMMAs' shared-memory reads does not help (run 103), so merging a pair's two QKs into one m64n128 (Q read once a
+pair) has no case either. Independent chains per SM, as
 FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
 thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
 per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Run 74's micro-benchmark (a
@@ -80,8 +81,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_regs: int = 0):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -165,10 +165,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
-    QR = int(q_regs)                    # Q's first QR columns in each consumer's registers (RS WGMMA for them)
-    if QR % 64 or not 0 <= QR <= D // 2:
-        raise ValueError(f"fwd_kernel_pp: q_regs must be a multiple of 64 up to D/2, got {q_regs!r}")
-    QF = {}                             # the calling consumer's Q fragment while its body is traced
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -284,19 +280,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     @T.macro
     def qk_half(z, h, s, acc_s, q_s, kv_s):
-        if QR and h == L:               # q_regs: the first QR columns from registers (a commit group of their own)
-            T.wgmma_gemm(QF["f"], kv_s[z + s, :, 0:QR], acc_s, transpose_B=True)
-            if QR < DH:
-                T.wgmma_gemm(q_s[z, :, QR:DH], kv_s[z + s, :, QR:DH], acc_s, transpose_B=True)
-        else:
-            T.wgmma_gemm(q_s[z, :, h * DH:(h + 1) * DH], kv_s[z + s, :, h * DH:(h + 1) * DH], acc_s,
-                         transpose_B=True)
-
-    @T.macro
-    def load_qf(z, q_s):
-        """q_regs: the query's first QR columns of Q into the consumer's registers (after its bar_q wait)."""
-        if QR:
-            T.copy(q_s[z, :, 0:QR], QF["f"])
+        T.wgmma_gemm(q_s[z, :, h * DH:(h + 1) * DH], kv_s[z + s, :, h * DH:(h + 1) * DH], acc_s, transpose_B=True)
 
     @T.macro
     def pv(z, b, h, acc_o, p_s, kv_s):
@@ -352,7 +336,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """Consumer 0: the QK of the CTA's k-th query's first block (S0 of its first pair), issued, not waited for."""
         T.barrier_wait(bar_q, k % 2)
         z = zs[0]
-        load_qf(z, q_s)
         seed(0, acc_s, idx_s, k % NB)
         T.barrier_wait(ready[0 + L], (k * NP) % 2)
         qk_half(z, L, 0, acc_s, q_s, kv_s)
@@ -405,7 +388,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.barrier_wait(ready[0 + L], (gp + 1) % 2)
                 stamp(12 * i + 6, t0s, Lse, bi, mi)
                 qk_half(z, L, 0, acc_s, q_s, kv_s)
-                T.wait_wgmma(2 if 0 < QR < DH else 1)   # P1 V1[:, L] done
+                T.wait_wgmma(1)                         # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
                 T.barrier_arrive(p_free1)
                 T.barrier_wait(ready[0 + R], (gp + 1) % 2)
@@ -427,7 +410,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """Consumer 1's pairs of the CTA's k-th query."""
         ib = k % NB
         T.barrier_wait(bar_q, k % 2)
-        load_qf(zs[0], q_s)
         for i in T.serial(NP):
             gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
@@ -531,8 +513,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             l = T.alloc_fragment([H], F32)
             vote = T.alloc_local([1], I32)
             z = T.alloc_var(I32)
-            if QR:
-                QF["f"] = T.alloc_fragment([H, QR], BF16)
             T.set_max_nreg(nreg[0], 1)
             if P:
                 if w == 0:
@@ -666,7 +646,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "q_regs"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
