@@ -28,20 +28,20 @@ What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles ag
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
-What bounds it (``bench --only attnbound``, run 102, H100, medians of 16 rounds at the release shape): the kernel
-as it is 523 TFLOP/s; its compute alone ("compute": no gathers after the first pair) 630; every gather issued but
-each stage signalled ready at once ("nolatency": the gathers' traffic without their latency on the chain) 541; the
+What bounds it (``bench --only attnbound``, run 102, H100, medians of 16 rounds at the release shape): the kernel as
+it is 523 TFLOP/s; its compute alone ("compute": no gathers after the first pair) 630; every gather issued but each
+stage signalled ready at once ("nolatency": the gathers' traffic without their latency on the chain) 541; the
 gathers alone ("gather", nothing computed) take 0.26 ms of the kernel's 0.66. So the gathers' latency costs ~3% and
 their traffic ~14%. How the traffic costs time is not yet known. Not the clock: every variant runs at 1965-1980 MHz,
 the kernel at 516 W, the compute alone at 455 W (run 105, under a 700 W cap). Not the QKs' shared-memory reads: a
 consumer holding Q's first 128 columns in registers cut them by 12% and gained nothing (run 103, the code in
 70a2597). What is left is where the cp.async data enters the SM: ~128 KB a pair through L1 into shared memory,
-beside the WGMMAs' ~416 KB of operand reads. The softmax costs ~3% ("nosoftmax" 539). The FP32 rescales are not the bound (run 99): a warp skipping every rescale
-whose factors are all exactly 1 (the same bits), on scores where ~80% of them can be skipped, measured +1%, within
-the noise. Run 67's micro-benchmark (an FFMA stream beside WGMMAs costs about the sum of both) predicted ~6%.
-FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5% on the persistent grid (runs 68-73,
-94, 99). Nor is the handoff mechanism: named barriers in place of the consumers' four P mbarriers gave the same
-time (run 100, the code in 5c65f1a).
+beside the WGMMAs' ~416 KB of operand reads. The softmax costs ~3% ("nosoftmax" 539). The FP32 rescales are not the
+bound (run 99): a warp skipping every rescale whose factors are all exactly 1 (the same bits), on scores where ~80%
+of them can be skipped, measured +1%, within the noise. Run 67's micro-benchmark (an FFMA stream beside WGMMAs costs
+about the sum of both) predicted ~6%. FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5%
+on the persistent grid (runs 68-73, 94, 99). Nor is the handoff mechanism: named barriers in place of the consumers'
+four P mbarriers gave the same time (run 100, the code in 5c65f1a).
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
