@@ -340,9 +340,8 @@ def test_sparse_attn_fwd_default_persistent(T, boundary, monkeypatch):
     assert seen == [dict(ctas=0)]
 
 
-@pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True),
-                                  dict(late_s0=True, o_in_p=True, tma_gather=True)],
-                         ids=["", "late_s0", "o_in_p", "tma_gather"])
+@pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True)],
+                         ids=["", "late_s0", "o_in_p"])
 @pytest.mark.parametrize("ctas", [7, 132])
 @pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):

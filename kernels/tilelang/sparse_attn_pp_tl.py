@@ -54,10 +54,10 @@ top: 508-528. What is left at a query's boundary (the persistent traces, stretch
 warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
 (433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
-Next step: find how the gathers' traffic slows the compute, which is worth up to ~17% (630 against 523). One
-candidate is the path the data takes: TMA (one bulk copy per row half) instead of 16-byte cp.async. Cutting the
-WGMMAs' shared-memory reads does not help (run 103), so merging a pair's two QKs into one m64n128 (Q read once a
-pair) has no case either. Independent chains per SM, as
+Next step: find how the gathers' traffic slows the compute, which is worth up to ~17% (630 against 523). Not by
+moving it to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in baba25d), and
+Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so merging a pair's
+two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
 FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
 thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
 per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Run 74's micro-benchmark (a
@@ -81,8 +81,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  tma_gather: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -166,7 +165,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
-    TG = bool(tma_gather)               # gathers as TMA row-panel loads (one 64-column panel of a row each)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -245,28 +243,18 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_arrive(free[2 + w])
 
     @T.macro
-    def gather_half(tp, j, s, h, kv_s, idx_s, ib, src, KV, bi, ready):
+    def gather_half(tp, j, s, h, kv_s, idx_s, ib, src, KV, bi):
         """Block j's BI rows (index row ib), columns of half h, into stage s (thread tp of 128: 8 threads a row,
         16 rows a pass). The rows' indices are read first (TileLang fences shared reads after cp.async writes once,
         not per row)."""
-        if TG:                                  # warp tp // 32: rows 16 w .. 16 w + 15, by its elected thread
-            for rr in T.unroll(BI // 4):        # (every thread reads them: no shared read under the election)
-                src[rr] = idx_s[ib, j * BI + (tp // 32) * (BI // 4) + rr]
-            for rr in T.unroll(BI // 4):
-                row = (tp // 32) * (BI // 4) + rr
-                for u in T.unroll(CPH):
-                    col = h * DH + u * 64
-                    T.tma_copy(KV[bi, src[rr], col:col + 64], kv_s[s, row, col:col + 64],
-                               barrier=ready[2 * s + h], leader_scope_threads=32)
-        else:
-            for r in T.unroll(BI // 16):
-                src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
-            for r in T.unroll(BI // 16):
-                row = r * 16 + tp // 8
-                for u in T.unroll(CPH):         # a hole (-1) fails the copy's bounds check: zero-filled, not read
-                    col = h * DH + u * 64 + (tp % 8) * 8
-                    T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
-                                   T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
+        for r in T.unroll(BI // 16):
+            src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
+        for r in T.unroll(BI // 16):
+            row = r * 16 + tp // 8
+            for u in T.unroll(CPH):             # a hole (-1) fails the copy's bounds check: zero-filled, not read
+                col = h * DH + u * 64 + (tp % 8) * 8
+                T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
+                               T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
 
     @T.macro
     def load_row(tp, bi, mi, ib, idx_s, Idx):
@@ -550,17 +538,14 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
                     else:
-                        gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi, ready)
+                        gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
                 elif diag == "nolatency":
-                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi, ready)
+                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
                     T.barrier_arrive(ready[2 * s + h])
                 else:
-                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi, ready)
-                    if TG:                      # each warp after its leader's expect_tx: done when the bytes land
-                        T.barrier_arrive(ready[2 * s + h])
-                    else:
-                        T.cp_async_barrier_noinc(ready[2 * s + h])
+                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                    T.cp_async_barrier_noinc(ready[2 * s + h])
 
     @T.macro
     def producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi):
@@ -570,7 +555,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         stages."""
         T.set_max_nreg(nreg[1], 0)
         tp = T.get_thread_binding() - 256
-        src = T.alloc_local([BI // 4 if TG else BI // 16], I32)
+        src = T.alloc_local([BI // 16], I32)
         if P:
             if NQ > 0:                                   # (the grid may outnumber the queries)
                 load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
@@ -661,7 +646,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "tma_gather"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
