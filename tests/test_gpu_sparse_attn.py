@@ -475,7 +475,7 @@ def test_sparse_attn_fwd_pp_option_errors():
     with pytest.raises(ValueError, match="504"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, nreg=(232, 72))
     with pytest.raises(ValueError, match="diag"):
-        pp.fwd_kernel_pp(64, 512, 640, 0.1, diag="gather")
+        pp.fwd_kernel_pp(64, 512, 640, 0.1, diag="bogus")
     with pytest.raises(ValueError, match="trace"):
         pp.fwd_kernel_pp(64, 512, 1280, 0.1, diag="trace")
     with pytest.raises(ValueError, match="ctas"):
