@@ -1,6 +1,9 @@
-"""Timing and row printing shared by the kernel benchmark sections (``bench.py``, ``bench_gemm.py``), and the
-argparse type of every benchmark's sizes (``positive_int``: ``kernels.bench`` and ``benchmarks/*.py``)."""
+"""Timing, row printing and the clock under load, shared by the kernel benchmark sections (``bench.py``,
+``bench_gemm.py``, ``bench_attn.py``), and the argparse type of every benchmark's sizes (``positive_int``:
+``kernels.bench`` and ``benchmarks/*.py``)."""
 import argparse
+
+import torch
 
 
 
@@ -26,3 +29,31 @@ def positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def clock_under_load(fn, seconds=1.0):
+    """SM clock (MHz) and board power (W) that nvidia-smi reports while ``fn`` runs back to back for about
+    ``seconds``: the kernels are queued first, the query runs while the GPU works through them. Returns "" where
+    nvidia-smi is missing."""
+    import shutil
+    import subprocess
+    import time
+    if not shutil.which("nvidia-smi"):
+        return ""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    n = max(1, int(seconds * 1e3 / max(start.elapsed_time(end), 1e-3)))
+    for _ in range(n):
+        fn()
+    time.sleep(seconds / 2)                          # past the ramp: mid-run
+    q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    torch.cuda.synchronize()
+    if not q:
+        return ""
+    mhz, watts = (v.strip() for v in q[0].split(",")[:2])
+    return f"SM {mhz} MHz, {watts} W under load"

@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from ._bench_common import bench, row
+from ._bench_common import bench, clock_under_load, row
 
 
 def _attn_release_inputs(args):
@@ -224,25 +224,25 @@ def attention_bound(results, args):
     pair), "nolatency" (every gather issued, each stage signalled ready at once: the gathers' traffic without their
     latency) and "nosoftmax" (P = S). compute against the default says what the gathers cost; nolatency says
     whether that is their latency on the chain (nolatency near compute) or their traffic (near the default)."""
-    from functional_dsv41.kernels.bench_gemm import _clock_under_load
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     opts = tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in ({},) + PP_BOUND_DIAGS)
-    _pp_rounds(results, args, opts[1:])
-    # the SM clock and board power each variant runs at (a power-capped clock would make traffic cost time)
     a = _attn_release_inputs(args)
+    _pp_rounds(results, args, opts[1:], a)
+    # the SM clock and board power each variant runs at (a power-capped clock would make traffic cost time)
     ip128 = sa._pad_idx(a["idx"], 128)
     for kw in opts:
         kf = pp.fwd_kernel_pp(a["q"].shape[2], a["q"].shape[3], ip128.shape[-1], a["scale"], **kw)
         print(f"  pp {json.dumps(kw, separators=(',', ':'))}: "
-              f"{_clock_under_load(lambda: kf(a['q'], a['kv'], a['sink'], ip128), seconds=2.0)}", flush=True)
+              f"{clock_under_load(lambda: kf(a['q'], a['kv'], a['sink'], ip128), seconds=2.0)}", flush=True)
 
 
-def _pp_rounds(results, args, opts):
-    """attention_pp's rounds: the default forward, then the persistent pp kernel with each dict of ``opts``."""
+def _pp_rounds(results, args, opts, a=None):
+    """attention_pp's rounds: the default forward, then the persistent pp kernel with each dict of ``opts``, on the
+    release inputs ``a`` (``_attn_release_inputs``; made here when not given)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    a = _attn_release_inputs(args)
+    a = a if a is not None else _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
     H, D = q.shape[2], q.shape[3]
     ip128 = sa._pad_idx(idx, 128)

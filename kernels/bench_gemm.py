@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from ._bench_common import bench, row
+from ._bench_common import bench, clock_under_load, row
 
 
 # fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
@@ -356,34 +356,6 @@ def fp4_grouped(results, args):
         results.append(row("per-expert loop (384 fp4_gemm calls)", bench(loop), fl))
 
 
-def _clock_under_load(fn, seconds=1.0):
-    """SM clock (MHz) and board power (W) that nvidia-smi reports while ``fn`` runs back to back for about
-    ``seconds``: the kernels are queued first, the query runs while the GPU works through them. Returns "" where
-    nvidia-smi is missing."""
-    import shutil
-    import subprocess
-    import time
-    if not shutil.which("nvidia-smi"):
-        return ""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    n = max(1, int(seconds * 1e3 / max(start.elapsed_time(end), 1e-3)))
-    for _ in range(n):
-        fn()
-    time.sleep(seconds / 2)                          # past the ramp: mid-run
-    q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
-                       capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-    torch.cuda.synchronize()
-    if not q:
-        return ""
-    mhz, watts = (v.strip() for v in q[0].split(",")[:2])
-    return f"SM {mhz} MHz, {watts} W under load"
-
-
 # gemmprobe: the promoted kernels beside their structures without the promotion, each with the SM clock and board
 # power under sustained load (is the promoted GEMM clock- or power-throttled, and which structure hides the
 # promotion best?). diag rows ignore the scales (timing only).
@@ -421,10 +393,10 @@ def gemm_probe(results, args):
             k = build(N, K, **kc)
             fn = lambda: k(a, sa, b, sb)                # noqa: E731
             ms = bench(fn)
-            results.append(row(name, ms, fl, note=_clock_under_load(fn)))
+            results.append(row(name, ms, fl, note=clock_under_load(fn)))
         except Exception as e:
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     bt = b.t()
     sa_r, sb_r = torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
     fn = lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)  # noqa: E731
-    results.append(row("probe ceiling torch._scaled_mm rowwise (no K blocks)", bench(fn), fl, note=_clock_under_load(fn)))
+    results.append(row("probe ceiling torch._scaled_mm rowwise (no K blocks)", bench(fn), fl, note=clock_under_load(fn)))

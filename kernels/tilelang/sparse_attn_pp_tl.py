@@ -540,12 +540,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     else:
                         gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
-                elif diag == "nolatency":
-                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
-                    T.barrier_arrive(ready[2 * s + h])
                 else:
                     gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
-                    T.cp_async_barrier_noinc(ready[2 * s + h])
+                    if diag == "nolatency":             # ready at once, before the rows land
+                        T.barrier_arrive(ready[2 * s + h])
+                    else:
+                        T.cp_async_barrier_noinc(ready[2 * s + h])
 
     @T.macro
     def producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi):
