@@ -307,9 +307,6 @@ def test_sparse_attn_fwd_pp(shape):
     for _ in range(3):                                 # repeated launches: the same bits (no race between roles)
         o2, lse2 = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
-    for _ in range(3):                                 # ready_split=2 (a ready barrier a column quarter): the same
-        o3, lse3 = fwd_kernel_pp(H, D, T, scale, ready_split=2)(q, kv, sink.float(), idx)       # k-steps, bits
-        assert torch.equal(o3, o) and torch.equal(lse3, lse)
 
 
 @pytest.mark.parametrize("boundary", ["default", "on"])
@@ -343,9 +340,8 @@ def test_sparse_attn_fwd_default_persistent(T, boundary, monkeypatch):
     assert seen == [dict(ctas=0)]
 
 
-@pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True),
-                                  dict(late_s0=True, o_in_p=True, ready_split=2)],
-                         ids=["", "late_s0", "o_in_p", "o_in_p-split2"])
+@pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True)],
+                         ids=["", "late_s0", "o_in_p"])
 @pytest.mark.parametrize("ctas", [7, 132])
 @pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
@@ -488,10 +484,6 @@ def test_sparse_attn_fwd_pp_option_errors():
         pp.fwd_kernel_pp(64, 512, 640, 0.1, lazy=40.0)
     with pytest.raises(ValueError, match="late_s0"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, late_s0=True)
-    with pytest.raises(ValueError, match="ready_split must be 1"):
-        pp.fwd_kernel_pp(64, 512, 640, 0.1, ready_split=4)
-    with pytest.raises(ValueError, match="multiple of 256"):
-        pp.fwd_kernel_pp(64, 128, 640, 0.1, ready_split=2)
     with pytest.raises(ValueError, match="o_in_p"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, ctas=132, o_in_p=True)
     assert pp.pp_fits(64, 512, 640) and not pp.pp_fits(64, 512, 576) and not pp.pp_fits(16, 128, 640)

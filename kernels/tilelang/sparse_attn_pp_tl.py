@@ -81,8 +81,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  ready_split: int = 1):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -133,12 +132,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     after takes most of it back. On the default path (sparse_attn_tl.FWD_PP_BOUNDARY) since run 92 passed its
     tests with them (H100: +1-4% on average over three rounds, the same bits).
 
-    ``ready_split`` (1: a ready barrier a stage half): 2 tracks each half's rows in two column quarters, gathered in
-    that order, each with its own ready barrier; a QK waits for the first quarter of its half, issues its k-steps,
-    then waits for the second (the P Vs, which read the whole half, wait for the second only: a thread's arrival
-    after its later copies says its earlier ones landed too). So a QK starts once half of its rows' bytes have
-    landed. The same k-steps in the same order: the same bits.
-
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
@@ -161,10 +154,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     check_nreg("fwd_kernel_pp", nreg)
     if diag not in ("", "compute", "nosoftmax", "trace", "gather", "nolatency"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
-    if ready_split not in (1, 2):
-        raise ValueError(f"fwd_kernel_pp: ready_split must be 1 (halves) or 2 (quarters), got {ready_split!r}")
-    if ready_split == 2 and D % 256:
-        raise ValueError(f"fwd_kernel_pp: ready_split=2 splits a half into 64-column pieces: D a multiple of 256, got {D}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
     if late_s0 and not ctas:
@@ -189,13 +178,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     c = float(scale) * LOG2E
     factor, probs = softmax_macros(H, BI, c, lazy=LZ)   # lazy: a is exactly 1.0 where the max did not move
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
-    RS = ready_split                    # ready barriers a stage half (pieces of DH / RS columns)
-    QS = tuple(range(RS))
     L, R = 0, 1
-
-    def rdy(s, h, q=RS - 1):
-        """The ready barrier index of piece q of stage s's half h (the last piece: the whole half landed)."""
-        return (2 * s + h) * RS + q
 
     @T.macro
     def stamp(slot, t0s, Lse, bi, mi):
@@ -260,20 +243,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_arrive(free[2 + w])
 
     @T.macro
-    def load_src(tp, j, idx_s, ib, src):
-        """The indices of the rows thread tp gathers of block j (index row ib): read before the copies (TileLang
-        fences shared reads after cp.async writes once, not per row)."""
+    def gather_half(tp, j, s, h, kv_s, idx_s, ib, src, KV, bi):
+        """Block j's BI rows (index row ib), columns of half h, into stage s (thread tp of 128: 8 threads a row,
+        16 rows a pass). The rows' indices are read first (TileLang fences shared reads after cp.async writes once,
+        not per row)."""
         for r in T.unroll(BI // 16):
             src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
-
-    @T.macro
-    def gather_piece(tp, s, h, q, kv_s, src, KV, bi):
-        """Piece q (of RS) of half h's columns of the block's BI rows (indices in src) into stage s (thread tp of 128:
-        8 threads a row, 16 rows a pass)."""
         for r in T.unroll(BI // 16):
             row = r * 16 + tp // 8
-            for u in T.unroll(CPH // RS):       # a hole (-1) fails the copy's bounds check: zero-filled, not read
-                col = h * DH + (q * (CPH // RS) + u) * 64 + (tp % 8) * 8
+            for u in T.unroll(CPH):             # a hole (-1) fails the copy's bounds check: zero-filled, not read
+                col = h * DH + u * 64 + (tp % 8) * 8
                 T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
                                T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
 
@@ -300,17 +279,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             acc_s[h, t] = T.if_then_else(idx_s[ib, j * BI + t] >= 0, 0, -T.infinity(F32))
 
     @T.macro
-    def qk_piece(z, h, q, s, acc_s, q_s, kv_s):
-        """acc_s += Q K^T over piece q (of RS) of half h's columns (stage s's rows): one commit group."""
-        c0 = h * DH + q * (DH // RS)
-        T.wgmma_gemm(q_s[z, :, c0:c0 + DH // RS], kv_s[z + s, :, c0:c0 + DH // RS], acc_s, transpose_B=True)
-
-    @T.macro
-    def qk_wait(z, h, s, ph, acc_s, q_s, kv_s, ready):
-        """The QK over half h of stage s, each piece issued as soon as its rows' bytes have landed (phase ph)."""
-        for q in QS:
-            T.barrier_wait(ready[rdy(s, h, q)], ph)
-            qk_piece(z, h, q, s, acc_s, q_s, kv_s)
+    def qk_half(z, h, s, acc_s, q_s, kv_s):
+        T.wgmma_gemm(q_s[z, :, h * DH:(h + 1) * DH], kv_s[z + s, :, h * DH:(h + 1) * DH], acc_s, transpose_B=True)
 
     @T.macro
     def pv(z, b, h, acc_o, p_s, kv_s):
@@ -367,8 +337,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.barrier_wait(bar_q, k % 2)
         z = zs[0]
         seed(0, acc_s, idx_s, k % NB)
-        qk_wait(z, L, 0, (k * NP) % 2, acc_s, q_s, kv_s, ready)
-        qk_wait(z, R, 0, (k * NP) % 2, acc_s, q_s, kv_s, ready)
+        T.barrier_wait(ready[0 + L], (k * NP) % 2)
+        qk_half(z, L, 0, acc_s, q_s, kv_s)
+        T.barrier_wait(ready[0 + R], (k * NP) % 2)
+        qk_half(z, R, 0, acc_s, q_s, kv_s)
 
     @T.macro
     def consumer0(k, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, bar_q, q_free, ready,
@@ -407,22 +379,20 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_arrive(free[0 + L])
             rescale(acc_o, l, a, m0, m, vote)           # O_L, l under m1
             stamp(12 * i + 0, t0s, Lse, bi, mi)
-            T.barrier_wait(ready[rdy(1, L)], gp % 2)
+            T.barrier_wait(ready[2 + L], gp % 2)
             pv(z, 1, L, acc_o, p_s, kv_s)
             stamp(12 * i + 1, t0s, Lse, bi, mi)
             if i < NP - 1:                              # S0 of pair i + 1 (block 2i + 2, stage 0 refilled)
                 seed(2 * i + 2, acc_s, idx_s, ib)
                 stamp(12 * i + 5, t0s, Lse, bi, mi)
-                T.barrier_wait(ready[rdy(0, L, 0)], (gp + 1) % 2)
+                T.barrier_wait(ready[0 + L], (gp + 1) % 2)
                 stamp(12 * i + 6, t0s, Lse, bi, mi)
-                qk_piece(z, L, 0, 0, acc_s, q_s, kv_s)
+                qk_half(z, L, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(1)                         # P1 V1[:, L] done
                 T.barrier_arrive(free[2 + L])
                 T.barrier_arrive(p_free1)
-                for q in QS[1:]:                        # (ready_split) the half's later pieces
-                    T.barrier_wait(ready[rdy(0, L, q)], (gp + 1) % 2)
-                    qk_piece(z, L, q, 0, acc_s, q_s, kv_s)
-                qk_wait(z, R, 0, (gp + 1) % 2, acc_s, q_s, kv_s, ready)
+                T.barrier_wait(ready[0 + R], (gp + 1) % 2)
+                qk_half(z, R, 0, acc_s, q_s, kv_s)
                 T.wait_wgmma(0)
                 if P:
                     if i == NP - 2:
@@ -444,13 +414,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
             seed(2 * i + 1, acc_s, idx_s, ib)
-            qk_wait(z, L, 1, gp % 2, acc_s, q_s, kv_s, ready)
-            T.barrier_wait(ready[rdy(1, R, 0)], gp % 2)
+            T.barrier_wait(ready[2 + L], gp % 2)
+            qk_half(z, L, 1, acc_s, q_s, kv_s)
+            T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
-            qk_piece(z, R, 0, 1, acc_s, q_s, kv_s)
-            for q in QS[1:]:                            # (ready_split) the half's later pieces
-                T.barrier_wait(ready[rdy(1, R, q)], gp % 2)
-                qk_piece(z, R, q, 1, acc_s, q_s, kv_s)
+            qk_half(z, R, 1, acc_s, q_s, kv_s)
             T.barrier_wait(bar_p0, gp % 2)             # P0, m0 of pair i
             for h in T.Parallel(H):
                 m0[h] = mx_s[0, h]
@@ -460,7 +428,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     T.barrier_arrive(q_free)            # my last QK of this query is done
             stamp(12 * i + 8, t0s, Lse, bi, mi)
             rescale(acc_o, l, a, m, m0, vote)           # O_R, l under m0
-            T.barrier_wait(ready[rdy(0, R)], gp % 2)
+            T.barrier_wait(ready[0 + R], gp % 2)
             pv(z, 0, R, acc_o, p_s, kv_s)               # runs under the softmax
             stamp(12 * i + 9, t0s, Lse, bi, mi)
             softmax(acc_s, m0, m, a, ls, l, vote)       # m = m1 = max(m0, rowmax S1), a = exp2(c (m0 - m1))
@@ -522,8 +490,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         for k in T.serial(NQ):
             for i in T.serial(NP):
                 gp = k * NP + i
-                T.barrier_wait(ready[rdy(w, L)], gp % 2)
-                T.barrier_wait(ready[rdy(w, R)], gp % 2)
+                T.barrier_wait(ready[2 * w + L], gp % 2)
+                T.barrier_wait(ready[2 * w + R], gp % 2)
                 T.barrier_arrive(free[2 * w + L])
                 T.barrier_arrive(free[2 * w + R])
             if P:
@@ -568,21 +536,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if diag == "compute":
                     if gp > 0:
-                        for q in QS:
-                            T.barrier_arrive(ready[rdy(s, h, q)])
+                        T.barrier_arrive(ready[2 * s + h])
                     else:
-                        load_src(tp, 2 * i + s, idx_s, ib, src)
-                        for q in QS:
-                            gather_piece(tp, s, h, q, kv_s, src, KV, bi)
-                            T.cp_async_barrier_noinc(ready[rdy(s, h, q)])
+                        gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                        T.cp_async_barrier_noinc(ready[2 * s + h])
                 else:
-                    load_src(tp, 2 * i + s, idx_s, ib, src)
-                    for q in QS:
-                        gather_piece(tp, s, h, q, kv_s, src, KV, bi)
-                        if diag == "nolatency":         # ready at once, before the rows land
-                            T.barrier_arrive(ready[rdy(s, h, q)])
-                        else:
-                            T.cp_async_barrier_noinc(ready[rdy(s, h, q)])
+                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                    if diag == "nolatency":             # ready at once, before the rows land
+                        T.barrier_arrive(ready[2 * s + h])
+                    else:
+                        T.cp_async_barrier_noinc(ready[2 * s + h])
 
     @T.macro
     def producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi):
@@ -635,7 +598,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         bar_q = T.alloc_barrier(arrive_count=128)
         bar_i = T.alloc_barrier(arrive_count=128)   # persistent: an index row landed
         q_free = T.alloc_barrier(arrive_count=256)  # persistent: both consumers past their last QK
-        ready = T.alloc_barrier(arrive_count=[128] * (4 * RS))   # ready[rdy(s, h, q)]
+        ready = T.alloc_barrier(arrive_count=[128] * 4)
         free = T.alloc_barrier(arrive_count=[128] * 4)
         bar_p0 = T.alloc_barrier(arrive_count=128)
         bar_p1 = T.alloc_barrier(arrive_count=128)
@@ -683,7 +646,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "ready_split"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
