@@ -54,6 +54,11 @@ BAD = [
     ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
     ("-m functional_dsv41.kernels.bench", ["--rounds", "0"], 2, "--rounds"),
     ("-m functional_dsv41.kernels.bench", ["--attn-data", "bogus"], 2, "--attn-data"),
+    ("-m functional_dsv41.kernels.ncu_one", ["bogus"], 2, "invalid choice"),
+    ("-m functional_dsv41.kernels.ncu_one", ["attn", "--kw", "{bad"], 2, "--kw"),
+    ("-m functional_dsv41.kernels.ncu_one", ["attn", "--kw", "[1]"], 2, "--kw"),
+    ("-m functional_dsv41.kernels.ncu_one", ["gemm", "--mnk", "4096,5120"], 2, "--mnk"),
+    ("scripts/ncu_sass_summary.py", [NOTHERE + ".csv"], 2, NOTHERE),
     ("scripts/param_count.py", ["a.json", "extra"], 2, "unrecognized arguments: extra"),
     ("scripts/param_count.py", [NOTHERE + ".json"], 2, NOTHERE),
     ("scripts/kernel_sources.py", ["compare", NOTHERE + "_a", NOTHERE + "_b"], 2, NOTHERE),
@@ -108,3 +113,9 @@ def test_kernels_bench_failed_section_exits_1(monkeypatch, capsys, tmp_path):
     assert "!! boom failed: RuntimeError: boom" in capsys.readouterr().out
     assert out.exists()                     # the rows of the sections that ran are still written
     bench.main(["--only", "ok"])            # no failure: returns normally (exit 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available(),
+                    reason="with a GPU ncu_one would profile: the no-GPU message is what is checked here")
+def test_ncu_one_without_gpu():
+    _check(_run(["-m", "functional_dsv41.kernels.ncu_one", "attn"]), 1, "needs a CUDA GPU")

@@ -28,20 +28,27 @@ What the trace (run 60-62, ``diag="trace"``) shows: a pair takes ~6500 cycles ag
 WGMMA peak, and the time is spread over one serial chain that crosses both consumers every pair (S0 -> softmax 0 ->
 P0 -> softmax 1 -> P1 -> O_L rescale -> P1 V1[:, L] -> next QK), each link 300-1800 cycles; shortening one link
 (e.g. consumer 1's P0 -> P1 from 1570 to 900 cycles) lengthens the next wait by as much.
-What bounds it (``bench --only attnbound``, run 102, H100, medians of 16 rounds at the release shape): the kernel as
-it is 523 TFLOP/s; its compute alone ("compute": no gathers after the first pair) 630; every gather issued but each
-stage signalled ready at once ("nolatency": the gathers' traffic without their latency on the chain) 541; the
-gathers alone ("gather", nothing computed) take 0.26 ms of the kernel's 0.66. So the gathers' latency costs ~3% and
-their traffic ~14%. How the traffic costs time is not yet known. Not the clock: every variant runs at 1965-1980 MHz,
-the kernel at 516 W, the compute alone at 455 W (run 105, under a 700 W cap). Not the QKs' shared-memory reads: a
-consumer holding Q's first 128 columns in registers cut them by 12% and gained nothing (run 103, the code in
-70a2597). What is left is where the cp.async data enters the SM: ~128 KB a pair through L1 into shared memory,
-beside the WGMMAs' ~416 KB of operand reads. The softmax costs ~3% ("nosoftmax" 539). The FP32 rescales are not the
-bound (run 99): a warp skipping every rescale whose factors are all exactly 1 (the same bits), on scores where ~80%
-of them can be skipped, measured +1%, within the noise. Run 67's micro-benchmark (an FFMA stream beside WGMMAs costs
-about the sum of both) predicted ~6%. FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5%
-on the persistent grid (runs 68-73, 94, 99). Nor is the handoff mechanism: named barriers in place of the consumers'
-four P mbarriers gave the same time (run 100, the code in 5c65f1a).
+What bounds it (``bench --only attnbound``, H100, medians at the release shape; runs 102 and 111-112): the kernel
+as it is 523 TFLOP/s in run 102, 533-534 since the producer fix below; its compute alone ("compute": no gathers
+after the first pair) 630-636; every gather issued but each stage signalled ready as soon as its copies are issued
+("nolatency") 538-548; the gathers alone ("gather", nothing computed) take 0.25 ms of the kernel's 0.65. Not the
+clock: every variant runs at 1965-1980 MHz, the kernel at ~516 W, the compute alone at ~460 W (runs 105, 111, under
+a 700 W cap). Nsight Compute (run 109, ``scripts/ncu_profile.sh`` and ``scripts/ncu_sass_summary.py``) against
+"compute": the tensor pipe's active cycles are the same (57% of the kernel's elapsed cycles, 65% of compute's), and
+so are the WGMMAs' shared-memory wavefronts; what the consumers add (+14% warp-stall samples) is all in their
+mbarrier waits for the stages' ready barriers. So the gathers do not slow the WGMMAs: they arrive late on the chain
+(run 74's micro-benchmark had found the copies' shared-memory writes hidden beside WGMMAs). The same profile showed
+the producer spending ~100 instructions between each free wait and its first copy: a floor division ``n // M``
+(the query's batch row, passed into the gather as an expression, so re-evaluated for every stage half) and the
+block's index reads. Computing the batch row once a query and reading a block's indices once, before the wait, took
+them off that path: +1.7% and +3.6% (runs 111-112, medians of 16 rounds, the same bits). The softmax costs ~3%
+("nosoftmax" 539-552). The FP32 rescales are not the bound (run 99): a warp skipping every rescale whose factors are
+all exactly 1 (the same bits), on scores where ~80% of them can be skipped, measured +1%, within the noise.
+FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5% on the persistent grid (runs 68-73,
+94, 99, 111-112: 544-551). Nor is the handoff mechanism: named barriers in place of the consumers' four P mbarriers
+gave the same time (run 100, the code in 5c65f1a); nor the QKs' shared-memory reads (Q's first 128 columns in
+registers, run 103, the code in 70a2597); nor the wait for a whole stage half before a QK starts (a ready barrier a
+column quarter, runs 55 and 110).
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
@@ -54,15 +61,16 @@ top: 508-528. What is left at a query's boundary (the persistent traces, stretch
 warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
 (433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
-Next step: find how the gathers' traffic slows the compute, which is worth up to ~17% (630 against 523). Not by
-moving it to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in baba25d), and
-Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so merging a pair's
-two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
-FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
-thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
-per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Run 74's micro-benchmark (a
-copy warpgroup beside m64n64 WGMMAs cost the longer of the two) does not carry over to this kernel: run 102 measured
-the gathers' traffic at ~14%.
+Next step: shorten the time from a stage half's free to its rows landing, which is worth up to ~16% (635 against
+534): the producer's path from the free wait to its last copy issued (what "nolatency" still waits for) and the
+copies' flight. Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run
+106, the code in baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help
+(run 103), so merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains
+per SM, as FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256
+registers a thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is
+correct, but its per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Run 102 read
+the gap between "nolatency" and "compute" as the gathers' traffic; run 109's profile says otherwise (the same tensor
+cycles and WGMMA wavefronts, the extra time in ready waits), as run 74's micro-benchmark had: it is time on the chain.
 """
 import functools
 
@@ -243,12 +251,17 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_arrive(free[2 + w])
 
     @T.macro
-    def gather_half(tp, j, s, h, kv_s, idx_s, ib, src, KV, bi):
-        """Block j's BI rows (index row ib), columns of half h, into stage s (thread tp of 128: 8 threads a row,
-        16 rows a pass). The rows' indices are read first (TileLang fences shared reads after cp.async writes once,
-        not per row)."""
+    def load_src(tp, j, idx_s, ib, src):
+        """The indices of the BI // 16 rows of block j (index row ib) that thread tp gathers, into src: read once a
+        block, for both its halves (TileLang puts a producer-warpgroup barrier before and after these shared reads,
+        against the cp.async writes around them)."""
         for r in T.unroll(BI // 16):
             src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
+
+    @T.macro
+    def gather_half(tp, s, h, kv_s, src, KV, bi):
+        """The block's BI rows (their indices in src), columns of half h, into stage s (thread tp of 128: 8 threads a
+        row, 16 rows a pass)."""
         for r in T.unroll(BI // 16):
             row = r * 16 + tp // 8
             for u in T.unroll(CPH):             # a hole (-1) fails the copy's bounds check: zero-filled, not read
@@ -512,6 +525,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             ls = T.alloc_fragment([H], F32)
             l = T.alloc_fragment([H], F32)
             vote = T.alloc_local([1], I32)
+            bm = T.alloc_local([2], I32)                # persistent: the query's (batch, row), once a query
             z = T.alloc_var(I32)
             T.set_max_nreg(nreg[0], 1)
             if P:
@@ -520,9 +534,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                         issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
                 for k in T.serial(NQ):
                     n = cta + k * ctas
+                    bm[0] = n // M                      # (as the producer's bq: not re-evaluated at each use)
+                    bm[1] = n % M
                     one_query(w, k, NQ, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s,
                               sum_s, o_s, bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s,
-                              Sink, O, Lse, n // M, n % M)
+                              Sink, O, Lse, bm[0], bm[1])
             else:
                 one_query(w, 0, 1, z, zs, acc_s, acc_o, m, m0, a, ls, l, vote, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s,
                           bar_q, q_free, ready, free, bar_p0, bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse,
@@ -533,15 +549,17 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         for i in T.serial(NP):
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
+                if h == L:                              # (before the wait: not on the path from free to the copies)
+                    load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if diag == "compute":
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
                     else:
-                        gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                        gather_half(tp, s, h, kv_s, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
                 else:
-                    gather_half(tp, 2 * i + s, s, h, kv_s, idx_s, ib, src, KV, bi)
+                    gather_half(tp, s, h, kv_s, src, KV, bi)
                     if diag == "nolatency":             # ready at once, before the rows land
                         T.barrier_arrive(ready[2 * s + h])
                     else:
@@ -556,6 +574,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         T.set_max_nreg(nreg[1], 0)
         tp = T.get_thread_binding() - 256
         src = T.alloc_local([BI // 16], I32)
+        bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
         if P:
             if NQ > 0:                                   # (the grid may outnumber the queries)
                 load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
@@ -564,8 +583,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.cp_async_barrier_noinc(bar_q)
             for k in T.serial(NQ):
                 n = cta + k * ctas
+                # n // M is a floor division by a runtime M (~100 instructions); passed as an expression, every
+                # gather re-evaluated it after its stage half's free wait, on the path to the copies (run 109's SASS)
                 T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
-                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, n // M)
+                bq[0] = n // M
+                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0])
                 if k < NQ - 1:
                     load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
                     T.cp_async_barrier_noinc(bar_i)
