@@ -89,8 +89,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  src_global: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -252,15 +251,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.barrier_arrive(free[2 + w])
 
     @T.macro
-    def load_src(tp, j, idx_s, ib, src, Idx, bi, mi):
+    def load_src(tp, j, idx_s, ib, src):
         """The indices of the BI // 16 rows of block j (index row ib) that thread tp gathers, into src: read once a
         block, for both its halves (TileLang puts a producer-warpgroup barrier before and after these shared reads,
         against the cp.async writes around them)."""
         for r in T.unroll(BI // 16):
-            if src_global:
-                src[r] = Idx[bi, mi, j * BI + r * 16 + tp // 8]
-            else:
-                src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
+            src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
 
     @T.macro
     def gather_half(tp, s, h, kv_s, src, KV, bi):
@@ -549,12 +545,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                           bi, mi)
 
     @T.macro
-    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, Idx, bi, mi):
+    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi):
         for i in T.serial(NP):
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
                 if h == L:                              # (before the wait: not on the path from free to the copies)
-                    load_src(tp, 2 * i + s, idx_s, ib, src, Idx, bi, mi)
+                    load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if diag == "compute":
                     if gp > 0:
@@ -579,7 +575,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         tp = T.get_thread_binding() - 256
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
-        mq = T.alloc_local([1], I32) if src_global else bq
         if P:
             if NQ > 0:                                   # (the grid may outnumber the queries)
                 load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
@@ -592,9 +587,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 # gather re-evaluated it after its stage half's free wait, on the path to the copies (run 109's SASS)
                 T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
                 bq[0] = n // M
-                if src_global:
-                    mq[0] = n % M
-                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, Idx, bq[0], mq[0])
+                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0])
                 if k < NQ - 1:
                     load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
                     T.cp_async_barrier_noinc(bar_i)
@@ -606,7 +599,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             load_q(tp, bi, mi, q_s, Q)
             T.cp_async_barrier_noinc(bar_q)
             T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
-            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, Idx, bi, mi)
+            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi)
         if diag == "nolatency":                          # no copy may land after the CTA has exited
             T.ptx_commit_group()
             T.ptx_wait_group(0)
