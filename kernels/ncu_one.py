@@ -5,7 +5,8 @@ start.
 
     python3 -m functional_dsv41.kernels.ncu_one attn [--diag compute] [--kw '{"lazy": 8.0}']   # the default
                                                     # forward's persistent pp kernel (with more options)
-    python3 -m functional_dsv41.kernels.ncu_one gemm [--mnk 4096,5120,5120]   # fp8_gemm's default kernel
+    python3 -m functional_dsv41.kernels.ncu_one gemm [--mnk 4096,5120,5120] [--kw '{"kernel": "ws"}']   # fp8_gemm's
+                                                    # default kernel (or the configuration given)
 """
 import argparse
 import json
@@ -56,6 +57,8 @@ def _gemm(args):
     b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
     sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
     kc = fg.default_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+    if args.kw:                                         # another configuration (its "kernel" key picks the factory)
+        kc = dict(args.kw)
     if args.diag:
         kc["diag"] = args.diag
     name = f"fp8_gemm {M}x{N}x{K} {kc}"
@@ -69,7 +72,9 @@ def main(argv=None):
     p.add_argument("--diag", default="", help="the kernel's diag ablation ('' = the kernel itself)")
     p.add_argument("--m", type=int, default=4096, help="attn: queries (the release prefill: 4096)")
     p.add_argument("--attn-data", default="random", choices=("random", "settled"))
-    p.add_argument("--kw", type=_json_dict, default={}, help="attn: more fwd_kernel_pp options, as JSON (e.g. '{\"lazy\": 8.0}')")
+    p.add_argument("--kw", type=_json_dict, default={},
+                   help="attn: more fwd_kernel_pp options; gemm: the configuration in place of the default "
+                        "(fp8_gemm's cfg, e.g. '{\"kernel\": \"ws\"}'); as JSON")
     p.add_argument("--mnk", type=_mnk, default=(4096, 5120, 5120), help="gemm: M,N,K")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
