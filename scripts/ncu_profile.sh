@@ -3,6 +3,7 @@
 # after scripts/gpu_env.sh:
 #   bash scripts/ncu_profile.sh NAME "ncu_one ARGS" [NAME "ARGS" ...]
 #   e.g. bash scripts/ncu_profile.sh pp "attn" pp_compute "attn --diag compute" gemm "gemm"
+# ARGS are split on whitespace (no quoting inside them): give ncu_one's --kw JSON without spaces, '{"lazy":8.0}'.
 # Per NAME it writes into $OUT/ncu (or ./ncu_out): the report, its details page, its raw metrics and its SASS source
 # page with per-instruction counters (warp stall samples, shared wavefronts), as text; then packs the text as
 # $OUT/ncu.tar.xz (a device call brings back only a few files: one archive, not a dozen files).
