@@ -240,6 +240,9 @@ def gpu_tests(pytest_args):
     import pytest
     os.environ["DSV41_TEST_DEVICE"] = "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # a test that synchronises between its kernels (test_sparse_attn_fwd_pp_diag_ablations) would stop at its first
+    # one here (no CUDA), leaving the rest for the GPU to compile (run 117 ran out of time doing that)
+    torch.cuda.synchronize = lambda *a, **k: None
     _meta_references()
     pytest.main(["-q", "-p", "no:cacheprovider", "--tb=no", "-o", "addopts=", *pytest_args])
 
