@@ -402,6 +402,8 @@ def test_sparse_attn_fwd_pp_lazy(shape, ramp):
     scale = D ** -0.5
     o, lse = fwd_kernel_pp(H, D, T, scale, lazy=8.0)(q, kv, sink.float(), idx)
     o_rel, _ = fwd_kernel_pp(H, D, T, scale)(q, kv, sink.float(), idx)
+    # (before the asserts: scripts/precompile_kernels.py builds the kernels a test reaches on zero outputs)
+    o2, lse2 = fwd_kernel_pp(H, D, T, scale, ctas=132, lazy=8.0)(q, kv, sink.float(), idx)
     empty = (idx < 0).all(-1)
     assert torch.isfinite(o.float()).all() and (o[empty] == 0).all()
     cd = cosine_diff(o, reference.sparse_attn(q, kv, sink, idx, scale, 64))
@@ -413,7 +415,6 @@ def test_sparse_attn_fwd_pp_lazy(shape, ramp):
           f"{e_rel.mean():.3e} / {e_rel.max():.3e}")
     assert cd < 1e-4 and lerr < 1e-3
     assert e_lazy.mean() <= 1.25 * e_rel.mean() and e_lazy.max() <= 2 * e_rel.max()
-    o2, lse2 = fwd_kernel_pp(H, D, T, scale, ctas=132, lazy=8.0)(q, kv, sink.float(), idx)
     assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
