@@ -62,12 +62,22 @@ def regions(ins):
     return out
 
 
+def _unguarded(text):
+    """An instruction's text without its predicate guard (``@!P0 ``, ``@UP1 ``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text)
+
+
+def _top(counts, n):
+    """The n largest nonzero counts of a {name: count}, as "name count, ..."."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:n] if v)
+
+
 def spin_branches(ins):
     """Per instruction: whether it is the branch of an mbarrier wait's spin loop (``@!Pn BRA`` on the predicate a
     ``SYNCS...TRYWAIT Pn`` wrote, with no other write of Pn between)."""
     from_wait, out = {}, []
     for x in ins:
-        t = re.sub(r"^@!?U?P\w+\s+", "", x["text"])
+        t = _unguarded(x["text"])
         guard = re.match(r"^@!(P\d)\s+BRA", x["text"])
         out.append(bool(guard and from_wait.get(guard.group(1))))
         dst = re.match(r"^[\w.]+\s+(P\d)\b", t)           # an instruction whose first operand is a predicate
@@ -88,12 +98,12 @@ def summary(ins, label):
         for x in part:
             for k, v in x["stalls"].items():
                 reasons[k] = reasons.get(k, 0) + v
-        top = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:5] if v)
-        print(f"  {name:20s} samples {s:7d} ({s / tot:5.1%}); in mbarrier waits {mb:6d}, WGMMA waits {dep:6d}; {top}")
+        print(f"  {name:20s} samples {s:7d} ({s / tot:5.1%}); in mbarrier waits {mb:6d}, WGMMA waits {dep:6d}; "
+              f"{_top(reasons, 5)}")
     ops = {}
     for x in ins:
         if x["wav"] or x["ideal"]:
-            op = re.sub(r"^@!?U?P\w+\s+", "", x["text"]).split()[0].split(".")[0]
+            op = _unguarded(x["text"]).split()[0].split(".")[0]
             o = ops.setdefault(op, [0, 0, 0])
             o[0] += x["wav"]; o[1] += x["ideal"]; o[2] += x["executed"]
     print("  shared-memory wavefronts by opcode (measured / ideal / warp instructions):")
@@ -125,8 +135,7 @@ def main(argv=None):
     for i in sorted(range(len(a)), key=lambda i: -a[i]["samples"])[:args.top]:
         x = a[i]
         other = "" if b is None else f"{b[match[i]]['samples']:7d}" if i in match else "      -"
-        why = ", ".join(f"{k} {v}" for k, v in sorted(x["stalls"].items(), key=lambda kv: -kv[1])[:2] if v)
-        print(f"  [{i:5d}] {x['samples']:7d} {other}  {x['text'][:64]:64s} {why}")
+        print(f"  [{i:5d}] {x['samples']:7d} {other}  {x['text'][:64]:64s} {_top(x['stalls'], 2)}")
 
 
 if __name__ == "__main__":

@@ -583,8 +583,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.cp_async_barrier_noinc(bar_q)
             for k in T.serial(NQ):
                 n = cta + k * ctas
-                # n // M is a floor division by a runtime M (~100 instructions); passed as an expression, every
-                # gather re-evaluated it after its stage half's free wait, on the path to the copies (run 109's SASS)
+                # n // M is a floor division by a runtime M (a 64-bit and a 32-bit one in the generated code);
+                # passed as an expression, every gather re-evaluated it after its stage half's free wait, on the
+                # path to the copies (run 109's SASS)
                 T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
                 bq[0] = n // M
                 query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0])
