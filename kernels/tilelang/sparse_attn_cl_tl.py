@@ -250,13 +250,17 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         l = T.alloc_fragment([H], F32)
         lo = T.alloc_fragment([H], F32)
         z = T.alloc_var(I32)
+        bm = T.alloc_local([2], I32)                    # the query's (batch, row), computed once a query
         T.set_max_nreg(nreg[0], 1)
         t = T.get_thread_binding() % 128
         T.import_source(_XCHG_SRC)
         for k in T.serial(NQ):
             n = slot0 + k * ctas
-            bi = n // M
-            mi = n % M
+            # n // M, n % M are divisions by a runtime M; a Python name bound to the expression would re-evaluate
+            # them at every use (a macro substitutes its argument expressions), so they go into registers once
+            bm[0] = n // M
+            bm[1] = n % M
+            bi, mi = bm[0], bm[1]
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -1e30)
@@ -271,10 +275,12 @@ def fwd_kernel_cl(H: int, D: int, TP: int, scale: float, ctas: int, BI: int = 64
         tp = T.get_thread_binding() % 64
         src = T.alloc_local([BI // 8], I32)
         nh = T.alloc_local([1], I32)
+        bm = T.alloc_local([2], I32)                    # the query's (batch, row), once a query (as the consumers')
         for k in T.serial(NQ):
             n = slot0 + k * ctas
-            bi = n // M
-            mi = n % M
+            bm[0] = n // M
+            bm[1] = n % M
+            bi, mi = bm[0], bm[1]
             if k > 0:
                 T.barrier_wait(q_free[w], (k - 1) % 2)
             for i in T.unroll(H // 8):                  # Q[:, half r]: 8 threads a row, 8 rows a pass
