@@ -1,8 +1,16 @@
-"""One rank of tests/test_sharding.py: python tests/_sharding_worker.py RANK WORLD PORT SCENARIO.
+"""One rank of tests/test_sharding.py: python tests/_sharding_worker.py RANK WORLD PORT SCENARIO [FOLDER]
+[--device cuda].
 
-Each rank builds the same tiny model, runs it plain and sharded over a gloo CPU mesh, and raises (exit 1, the
-message on stderr) where the sharded run differs; it prints "ok SCENARIO" when every check passed.
+Each rank builds the same tiny model, runs it plain and sharded over a gloo CPU mesh (``--device cuda``: an NCCL
+mesh, rank r on GPU r), and raises (exit 1, the message on stderr) where the sharded run differs; it prints "ok
+SCENARIO" when every check passed.
+
+On the CPU the sharded forward's values are the plain tree's bit for bit (each sum over a mesh dim has one nonzero
+term per element). On CUDA the ranks' local GEMMs may be other cuBLAS kernels than the plain tree's (the head's
+half of the vocabulary is another shape), so there the values are checked within fp32 rounding of the plain ones
+and the worker prints how many of them were bit-equal anyway.
 """
+import argparse
 import os
 import sys
 import tempfile
@@ -10,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import optree  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -22,6 +31,23 @@ from functional_dsv41.pytree import flatten_with_paths  # noqa: E402
 
 MESHES = {"ep": ((2,), ("ep",)), "emb": ((2,), ("emb",)), "ep2_emb1": ((2, 1), ("ep", "emb")),
           "ep1_emb2": ((1, 2), ("ep", "emb"))}
+DEV = torch.device("cpu")       # main() sets cuda:RANK under --device cuda
+EXACT = {"equal": 0, "within rounding": 0}
+
+
+def to_dev(tree):
+    return optree.tree_map(lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def agree(x, y, what):
+    """x == y bit for bit on the CPU; on CUDA within fp32 rounding of y (relative to its largest magnitude)."""
+    assert x.shape == y.shape and x.dtype == y.dtype, f"{what}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
+    if torch.equal(x, y):
+        EXACT["equal"] += 1
+        return
+    err = float((x.float() - y.float()).abs().max())
+    assert DEV.type == "cuda" and err <= 1e-5 * float(y.float().abs().max()), f"{what}: max diff {err}"
+    EXACT["within rounding"] += 1
 
 
 def same_tree(a, b, what):
@@ -65,9 +91,9 @@ def uneven_rows(mesh):
     if "emb" not in mesh.mesh_dim_names or mesh.size(list(mesh.mesh_dim_names).index("emb")) < 2:
         return
     g = torch.Generator().manual_seed(3)
-    ids = torch.tensor([6, 0, 3, 4, 4, 1])
+    ids = torch.tensor([6, 0, 3, 4, 4, 1], device=DEV)
     for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e8m0fnu):
-        t = (torch.randn(7, 64, generator=g) * 4).to(dtype)
+        t = (torch.randn(7, 64, generator=g) * 4).to(DEV, dtype)
         d = sharding._shard_rows(t, mesh, "emb")
         assert d.to_local().shape[0] in (4, 3)
         got = sharding.take_rows(d, ids)
@@ -77,28 +103,28 @@ def uneven_rows(mesh):
             assert torch.equal(sharding.embedding(ids[None], d), t[ids][None]), dtype
         same_tree({"w": t}, sharding.full_params({"w": d}), f"uneven {dtype}")
     # the head's columns over 515 rows (258 + 257; BLAS picks other kernels for a few columns, e.g. 4 + 3)
-    w = torch.randn(515, 64, generator=g).to(torch.bfloat16)
-    x = torch.randn(5, 64, generator=g)
-    assert torch.equal(sharding.vocab_logits(x, sharding._shard_rows(w, mesh, "emb")),
-                       torch.nn.functional.linear(x, w.float()))
+    w = torch.randn(515, 64, generator=g).to(DEV, torch.bfloat16)
+    x = torch.randn(5, 64, generator=g).to(DEV)
+    agree(sharding.vocab_logits(x, sharding._shard_rows(w, mesh, "emb")), torch.nn.functional.linear(x, w.float()),
+          "vocab_logits over uneven rows")
 
 
 def tiny_model(seed, master=False, **overrides):
     cfg = fd.Config.tiny(**overrides)
     params = fd.init_params(cfg, seed=seed, master=master)
     params["engram_token_map"] = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size  # (no tokenizer)
-    return cfg, params
+    return cfg, to_dev(params)
 
 
 def released_checkpoint(mesh, folder):
     """A checkpoint in the released layout (load_params: packed expert views, the tokenizer's token map), sharded
     over both dims: the same logits, and fd.generate - plain and DSpark-speculative - gives the same tokens."""
     cfg = fd.Config.from_json(Path(folder) / "config.json")
-    params = fd.load_params(folder, cfg)
+    params = to_dev(fd.load_params(folder, cfg))
     sh = sharding.shard_params(params, mesh)
-    ids = torch.tensor([[5, 17, 300, 2, 41, 99, 7]])
-    assert torch.equal(fd.forward(sh, {"input_ids": ids}, cfg=cfg).logits,
-                       fd.forward(params, {"input_ids": ids}, cfg=cfg).logits), "checkpoint logits differ"
+    ids = torch.tensor([[5, 17, 300, 2, 41, 99, 7]], device=DEV)
+    agree(fd.forward(sh, {"input_ids": ids}, cfg=cfg).logits, fd.forward(params, {"input_ids": ids}, cfg=cfg).logits,
+          "checkpoint logits")
     for spec in (False, True):
         want = fd.generate(params, [[5, 17, 300]], cfg=cfg, max_new_tokens=5, speculative=spec)
         got = fd.generate(sh, [[5, 17, 300]], cfg=cfg, max_new_tokens=5, speculative=spec)
@@ -106,45 +132,63 @@ def released_checkpoint(mesh, folder):
 
 
 def main():
-    rank, world, port, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    global DEV
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rank", type=int)
+    ap.add_argument("world", type=int)
+    ap.add_argument("port")
+    ap.add_argument("scenario", choices=[*MESHES, "checkpoint"])
+    ap.add_argument("folder", nargs="?", help="checkpoint: a fixture folder in the released layout")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = ap.parse_args()
+    rank, world, scenario = args.rank, args.world, args.scenario
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=args.port)
+    if args.device == "cuda":
+        DEV = torch.device("cuda", rank)
+        torch.cuda.set_device(DEV)
+        torch.use_deterministic_algorithms(True)    # (CUBLAS_WORKSPACE_CONFIG is set by the test) run-to-run bits
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=DEV)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    if scenario == "checkpoint":                # argv[5]: a fixture folder in the released layout
-        released_checkpoint(init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "emb")), sys.argv[5])
-        released_checkpoint(init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "emb")), sys.argv[5])
+    kind = DEV.type
+    if scenario == "checkpoint":
+        released_checkpoint(init_device_mesh(kind, (2, 1), mesh_dim_names=("ep", "emb")), args.folder)
+        released_checkpoint(init_device_mesh(kind, (1, 2), mesh_dim_names=("ep", "emb")), args.folder)
+        print(f"values: {EXACT}", flush=True)
         print(f"ok {scenario}", flush=True)
         dist.barrier()
         dist.destroy_process_group()
         return
     sizes, names = MESHES[scenario]
-    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    mesh = init_device_mesh(kind, sizes, mesh_dim_names=names)
     uneven_rows(mesh)
 
     cfg, params = tiny_model(0, dtype="fp8", expert_dtype="fp4")   # fp8 dense + fp8 Engram tables, fp4 experts
     sh = sharding.shard_params(params, mesh)
     check_local_sizes(cfg, sh, names, sizes)
 
-    ids = torch.randint(0, cfg.vocab_size - 2, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size - 2, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
     plain = fd.forward(params, {"input_ids": ids}, cfg=cfg)
     out = fd.forward(sh, {"input_ids": ids}, cfg=cfg)
     assert type(out.logits) is torch.Tensor
-    assert torch.equal(out.logits, plain.logits), f"logits max diff {(out.logits - plain.logits).abs().max()}"
-    assert torch.equal(out.main_hidden, plain.main_hidden)
+    agree(out.logits, plain.logits, "logits")
+    agree(out.main_hidden, plain.main_hidden, "main_hidden")
 
     # prefill 9 tokens, then three one-token decode steps, plain and sharded
-    st_p, st_s = fd.init_state(cfg, batch_size=2, max_seq_len=32), fd.init_state(cfg, batch_size=2, max_seq_len=32)
+    st_p = fd.init_state(cfg, batch_size=2, max_seq_len=32, device=DEV)
+    st_s = fd.init_state(cfg, batch_size=2, max_seq_len=32, device=DEV)
     for a, b in ((0, 9), (9, 10), (10, 11), (11, 12)):
         p = fd.forward(params, {"input_ids": ids[:, a:b]}, cfg=cfg, state=st_p)
         s = fd.forward(sh, {"input_ids": ids[:, a:b]}, cfg=cfg, state=st_s)
-        assert torch.equal(p.logits, s.logits), f"chunk [{a}, {b}) differs"
+        agree(s.logits, p.logits, f"chunk [{a}, {b})")
         st_p, st_s = p.state, s.state
 
     # the DSpark stages (their experts, the shared embedding and head)
     dp = dspark_forward(params, plain.main_hidden, ids, cfg=cfg)
     ds = dspark_forward(sh, out.main_hidden, ids, cfg=cfg)
     for f in ("logits",):
-        assert torch.equal(getattr(dp, f), getattr(ds, f)), f"dspark {f} differs"
+        agree(getattr(ds, f), getattr(dp, f), f"dspark {f}")
 
     # the dense dispatch: other partial sums, so within float rounding
     dd = fd.forward(sh, {"input_ids": ids}, cfg=cfg, dispatch="dense")
@@ -164,7 +208,7 @@ def main():
     if "ep" in names and sizes[names.index("ep")] == 2:
         three = {"layers": [{"ffn": {"experts": [{"w1": {"weight": torch.ones(2, 2)}}] * 3}}]}
         refused(lambda: sharding.shard_params(three, mesh), ["layers.0.ffn.experts", "3 routed experts", "ep=2"])
-    refused(lambda: sharding.shard_params(params, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))),
+    refused(lambda: sharding.shard_params(params, init_device_mesh(kind, (2,), mesh_dim_names=("tp",))),
             ["unknown mesh dim", "tp"])
     from torch.distributed.tensor import Replicate, distribute_tensor
     whole = distribute_tensor(params["embed"]["weight"], mesh, [Replicate()] * mesh.ndim)
@@ -213,6 +257,7 @@ def main():
     # the sums over ep)
     for n_tok in (8, 1):
         check_gradients(mesh, ids[:1, :n_tok])
+    print(f"values: {EXACT}", flush=True)
     print(f"ok {scenario}", flush=True)
     dist.barrier()          # (a rank tearing gloo down while its peer still finishes a collective can abort)
     dist.destroy_process_group()

@@ -6,6 +6,12 @@ model: its local shards' sizes; logits, main_hidden, chunked prefill + decode an
 the plain tree's; the dense dispatch within rounding; full_params giving back the released tree bit for bit;
 uneven row splits of every storage dtype; the refusals; and the QAT gradients of the sharded leaves (and of the
 replicated ones upstream of the split computations) against the plain tree's.
+
+The same checks run over NCCL on two GPUs (marked gpu; skipped with fewer than two), rank r on cuda:r, with the
+torch kernels (DSV41_KERNELS=torch: what is under test is the placements and the collectives, not the TileLang
+kernels) and deterministic algorithms; there the plain tree runs on the same GPU, and values are checked within
+fp32 rounding (the ranks' GEMMs on half the vocabulary may be other cuBLAS kernels), the worker printing how many
+were bit-equal anyway.
 """
 import os
 import socket
@@ -33,6 +39,9 @@ def _free_port() -> int:
 
 NO_GLOO = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                              reason="torch.distributed with gloo is not available in this build")
+TWO_GPUS = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+                                   and torch.distributed.is_available() and torch.distributed.is_nccl_available()),
+                              reason="needs two CUDA GPUs and NCCL")
 
 
 @NO_GLOO
@@ -47,9 +56,25 @@ def test_sharded_release_layout_checkpoint_generates_like_the_plain_one():
     _run_ranks("checkpoint", str(fixture_dir("tiny-fp8")))
 
 
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize("scenario", ["ep", "emb", "ep2_emb1", "ep1_emb2"])
+def test_sharded_tree_runs_like_the_plain_one_over_nccl(scenario):
+    print(_run_ranks(scenario, "--device", "cuda"))
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_sharded_release_layout_checkpoint_generates_like_the_plain_one_over_nccl():
+    print(_run_ranks("checkpoint", str(fixture_dir("tiny-fp8")), "--device", "cuda"))
+
+
 def _run_ranks(scenario, *extra):
+    """Two worker processes (rank 0, 1) of the scenario; asserts both printed "ok SCENARIO"; rank 0's output."""
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if "cuda" in extra:
+        env.update(DSV41_KERNELS="torch", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, scenario, *extra], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = []
@@ -62,6 +87,7 @@ def _run_ranks(scenario, *extra):
             raise
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"ok {scenario}" in out, f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
+    return outs[0]
 
 
 def _tiny(**kw):
