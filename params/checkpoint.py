@@ -320,13 +320,22 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
             t = quant.dequant_fp8_block(t, files[where[pre + ".scale"]].tensor(pre + ".scale"), torch.bfloat16)
         elif name in int8_fp4:
             t = t.view(torch.float4_e2m1fn_x2)
-        flat[name] = t if (mmap_engram and _is_engram_table(name)) else t.clone()
+        flat[name] = t if (mmap_engram and _is_engram_table(name)) else _clone(t)
     params = unflatten_from_paths(flat)
     del flat
     from functional_dsv41.moe import pack_experts
     pack_experts(params, inplace=True)          # the fp4 experts of a layer as views of one buffer (moe.py)
     _add_token_map(params, path, cfg, tokenizer)
     return params
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """t copied out of the file's mapping. A packed fp4 tensor is copied as its bytes: under
+    ``torch.use_deterministic_algorithms(True)`` a clone first fills its new storage, which torch does not implement
+    for float4_e2m1fn_x2 (it raised NotImplementedError)."""
+    if t.dtype == torch.float4_e2m1fn_x2:
+        return t.view(torch.uint8).clone().view(t.dtype)
+    return t.clone()
 
 
 def _add_token_map(params: dict, path: Path, cfg: Config, tokenizer) -> None:

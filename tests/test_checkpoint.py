@@ -29,6 +29,25 @@ def _cfg(name):
     return fd.Config.from_json(fixture_dir(name) / "config.json")
 
 
+def test_load_and_save_under_deterministic_algorithms(tmp_path):
+    """torch.use_deterministic_algorithms(True) (reproducible runs): load_params of a checkpoint with fp4 experts
+    gives the same tree, and its save the same bytes. A plain clone raised there: torch fills a new tensor's
+    storage first in that mode and has no fill for float4_e2m1fn_x2."""
+    want = fd.load_params(fixture_dir("tiny-fp8"), _cfg("tiny-fp8"))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = fd.load_params(fixture_dir("tiny-fp8"), _cfg("tiny-fp8"))
+        fd.save_params(got, tmp_path, _cfg("tiny-fp8"))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert fd.tree_diff(want, got, atol=0).ok
+    assert got["layers"][0]["ffn"]["experts"][0]["w1"]["weight"].dtype == torch.float4_e2m1fn_x2
+    a, _ = _raw(fixture_dir("tiny-fp8") / "model.safetensors")
+    b, _ = _raw(tmp_path / "model.safetensors")
+    assert a == b
+
+
 @pytest.mark.parametrize("name", ["tiny-bf16", "tiny-fp8", "tiny-vl"])
 def test_fixture_load_save_byte_exact(tmp_path, name):
     src = fixture_dir(name) / "model.safetensors"
