@@ -52,6 +52,13 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def _numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype ``to_numpy`` gives a tensor of the torch dtype ``name`` (no tensor of that dtype is made:
+    under ``torch.use_deterministic_algorithms(True)`` torch fills new storage, and has no fill for fp4)."""
+    dt = getattr(torch, name)
+    return to_numpy(torch.zeros((), dtype=_BITS.get(dt) or dt)).dtype
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy copy of ``t`` holding its exact bits (see module docstring for non-numpy dtypes)."""
     t = t.detach().cpu().contiguous()
@@ -228,9 +235,7 @@ class TrainCheckpointer:
             raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
         with _quiet_failed_restore():           # a damaged checkpoint: orbax's error, without its reads' tracebacks
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            template = {k: np.zeros(meta["shapes"][k],
-                                    dtype=to_numpy(torch.zeros((), dtype=getattr(torch, d))).dtype)
-                        for k, d in meta["dtypes"].items()}
+            template = {k: np.zeros(meta["shapes"][k], dtype=_numpy_dtype(d)) for k, d in meta["dtypes"].items()}
             arrays = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))).state
         # reshape: np.ascontiguousarray makes a 0-dim array 1-dim
         t = {k: from_numpy(np.asarray(arrays[k]), d).reshape(meta["shapes"][k]) for k, d in meta["dtypes"].items()}

@@ -52,6 +52,26 @@ def test_roundtrip_exact_dtypes_and_keep_last(tmp_path):
     ck.close()
 
 
+def test_roundtrip_under_deterministic_algorithms(tmp_path):
+    """torch.use_deterministic_algorithms(True): the restore gives the same bits for every storage dtype. Its
+    template used to make a 0-dim tensor of each saved dtype, which torch fills first in that mode and cannot for
+    float4_e2m1fn_x2 (NotImplementedError)."""
+    p, o = _state(1)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    ck = TrainCheckpointer(str(tmp_path))
+    try:
+        ck.save(1, params=p, opt_state=o, data_state={})
+        ck.wait()
+        r = ck.restore(1)
+    finally:
+        ck.close()
+        torch.use_deterministic_algorithms(was)
+    assert set(r["params"]) == set(p)
+    for k in p:
+        assert _same(r["params"][k].contiguous(), p[k]), k
+
+
 def test_interrupted_save_keeps_last_good(tmp_path):
     """A process killed inside orbax's finalize (all files written, not yet renamed) leaves step 1 the latest;
     the next checkpointer on the folder removes the half-saved step's temporary folder (orbax does it in the
