@@ -5,6 +5,7 @@ repository). Where a fixture folder is absent the golden tests skip, saying what
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -21,6 +22,18 @@ def fixture_dir(name: str) -> Path:
     if not p.is_dir():
         pytest.skip(f"golden fixture folder {p} not found (set DSV41_FIXTURES)", allow_module_level=True)
     return p
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside the block; the previous setting (and its warn_only)
+    restored after it."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from functional_dsv41.params import checkpoint as ck
 from functional_dsv41.params import save as sv
 from functional_dsv41.params.checkpoint import CheckpointError
 
-from conftest import fixture_dir
+from conftest import deterministic_algorithms, fixture_dir
 
 
 def _raw(path):
@@ -34,13 +34,9 @@ def test_load_and_save_under_deterministic_algorithms(tmp_path):
     gives the same tree, and its save the same bytes. A plain clone raised there: torch fills a new tensor's
     storage first in that mode and has no fill for float4_e2m1fn_x2."""
     want = fd.load_params(fixture_dir("tiny-fp8"), _cfg("tiny-fp8"))
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         got = fd.load_params(fixture_dir("tiny-fp8"), _cfg("tiny-fp8"))
         fd.save_params(got, tmp_path, _cfg("tiny-fp8"))
-    finally:
-        torch.use_deterministic_algorithms(was)
     assert fd.tree_diff(want, got, atol=0).ok
     assert got["layers"][0]["ffn"]["experts"][0]["w1"]["weight"].dtype == torch.float4_e2m1fn_x2
     a, _ = _raw(fixture_dir("tiny-fp8") / "model.safetensors")

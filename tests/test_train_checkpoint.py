@@ -10,6 +10,8 @@ from functional_dsv41.quant import E8M0, FP4X2, FP8
 from functional_dsv41.params import train_state as C
 from functional_dsv41.params.train_state import TrainCheckpointer
 
+from conftest import deterministic_algorithms
+
 
 def _state(seed):
     g = torch.Generator().manual_seed(seed)
@@ -57,16 +59,14 @@ def test_roundtrip_under_deterministic_algorithms(tmp_path):
     template used to make a 0-dim tensor of each saved dtype, which torch fills first in that mode and cannot for
     float4_e2m1fn_x2 (NotImplementedError)."""
     p, o = _state(1)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    ck = TrainCheckpointer(str(tmp_path))
-    try:
-        ck.save(1, params=p, opt_state=o, data_state={})
-        ck.wait()
-        r = ck.restore(1)
-    finally:
-        ck.close()
-        torch.use_deterministic_algorithms(was)
+    with deterministic_algorithms():
+        ck = TrainCheckpointer(str(tmp_path))
+        try:
+            ck.save(1, params=p, opt_state=o, data_state={})
+            ck.wait()
+            r = ck.restore(1)
+        finally:
+            ck.close()
     assert set(r["params"]) == set(p)
     for k in p:
         assert _same(r["params"][k].contiguous(), p[k]), k
