@@ -13,6 +13,8 @@ import json
 
 import torch
 
+from ._bench_common import positive_int
+
 
 def _json_dict(text):
     try:
@@ -25,11 +27,8 @@ def _json_dict(text):
 
 
 def _mnk(text):
-    try:
-        v = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        v = ()
-    if len(v) != 3 or min(v) <= 0:
+    v = tuple(positive_int(t) for t in text.split(","))
+    if len(v) != 3:
         raise argparse.ArgumentTypeError(f"three positive integers M,N,K, got {text!r}")
     return v
 
