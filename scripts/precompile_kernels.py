@@ -10,6 +10,7 @@ the set of compiled kernels, which is printed (a kernel already in the cache loa
     source scripts/local_tilelang_env.sh
     .venv/bin/python scripts/precompile_kernels.py release-layers --seq 1024 4096
     .venv/bin/python scripts/precompile_kernels.py train-gpu
+    .venv/bin/python scripts/precompile_kernels.py train-run  # train/run.py --config tiny --device cuda
     .venv/bin/python scripts/precompile_kernels.py gemm       # tests/test_gpu_gemm.py + the GEMM bench sections
     .venv/bin/python scripts/precompile_kernels.py tests tests/test_gpu_sparse_attn.py -k sp   # any pytest args
     .venv/bin/python scripts/precompile_kernels.py attn-bench # the attention forward's bench rows (attndiag)
@@ -121,6 +122,23 @@ def train_gpu():
     torch.func.grad(lambda x: L.compute_losses(S.assemble(x, fr, dtypes), batch, cfg=cfg, coefs={"ce": 1.0},
                                                forward=fd.forward, pad_id=2,
                                                forward_kwargs={"impl": "auto"})[0])(tr)
+
+
+def train_run():
+    """train/run.py's ``tiny`` preset on a GPU (the main job with ``--device cuda``, tests/test_gpu_train_run.py): a
+    step's forward and backward and the greedy sample's prefill and decode, at both runs' batch shapes."""
+    import tempfile
+    from functional_dsv41.engram import build_token_map
+    from functional_dsv41.train import run, step as S
+    for bs, seq in ((8, 128), (4, 64)):   # (the zero outputs make step 1's gradient non-finite: the run stops there)
+        with tempfile.TemporaryDirectory() as out:
+            run.train(run.preset_config(name="tiny", steps=1, batch_size=bs, seq_len=seq, ckpt_every=0, export=False,
+                                        sample_tokens=0, out=out, progress="off"))
+    rc = run.preset_config(name="tiny")
+    cfg = run.model_config(rc)
+    tr, fr = run.init_train_params(cfg, rc, torch.as_tensor(build_token_map(rc.tokenizer), dtype=torch.int64))
+    with torch.no_grad():
+        run.greedy_sample(S.assemble(tr, fr, S.compute_dtypes(cfg, tr)), cfg, [0, 5, 6, 7], 3, 1, "dequant")
 
 
 def gemm():
@@ -302,7 +320,7 @@ def attn_pp():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["release-layers", "train-gpu", "gemm", "tests", "attn-bench", "attn-pp"])
+    ap.add_argument("what", choices=["release-layers", "train-gpu", "train-run", "gemm", "tests", "attn-bench", "attn-pp"])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     args, rest = ap.parse_known_args(argv)
     if rest and args.what != "tests":
@@ -321,6 +339,8 @@ def main(argv=None):
         attn_bench()
     elif args.what == "attn-pp":
         attn_pp()
+    elif args.what == "train-run":
+        train_run()
     else:
         train_gpu()
     print(f"{len(COMPILED)} kernels compiled or loaded from the cache in {time.perf_counter() - t:.0f} s")

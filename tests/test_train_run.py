@@ -96,7 +96,7 @@ def test_export_then_load_params(tmp_path, preset, capsys, monkeypatch):
     function's greedy sample could differ), a bf16 run's from the trained params."""
     modes = []
     sample = run.greedy_sample
-    monkeypatch.setattr(run, "greedy_sample", lambda *a: modes.append(a[-1]) or sample(*a))
+    monkeypatch.setattr(run, "greedy_sample", lambda *a, **k: modes.append(a[-1]) or sample(*a, **k))
     r = run.train(_rc(tmp_path, config=preset, steps=1, ckpt_every=1, export=True, sample_tokens=3))
     assert r["status"] == "ok" and "sample" in r and "sample (greedy" in capsys.readouterr().out
     assert modes == ["reference" if preset == "tiny-qat" else "dequant"]

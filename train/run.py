@@ -6,19 +6,23 @@ grad norm, non-padding tokens/s, step time) under a progress bar and one JSON ob
 ``keep_last``); at the end exports the params to ``OUT/export`` in the released layout (re-quantised
 where the config stores fp8/fp4) and prints a greedy sample.
 
-Command line: ``--config NAME`` (model + run preset), ``--steps N``, ``--out DIR``, ``--resume``, and
-``--key=value`` (or ``--key value``) for any ``RunConfig`` field; ``--loss.ce=1`` is ``--loss_ce=1``.
+Command line: ``--config NAME`` (model + run preset), ``--steps N``, ``--out DIR``, ``--resume``, ``--device
+cuda`` (default cpu), and ``--key=value`` (or ``--key value``) for any ``RunConfig`` field; ``--loss.ce=1`` is
+``--loss_ce=1``. On a GPU the params, optimizer state and batches live there, and the kernels follow ``impl="auto"``
+(TileLang where its tiles cover the shapes, torch elsewhere); checkpoints, the export and the sample are the same.
 Bad options or inputs (a missing or non-UTF-8 corpus, --out naming a file, a count < 1 ...) are refused
 with a one-line message before anything is written.
 
 ``--resume`` continues from the newest checkpoint in ``OUT/ckpt`` bit-identically to a run that was
 never interrupted (same params, optimizer state, data position, RNG; metrics lines after the
-checkpoint are dropped and recomputed). Every checkpoint records the model config and the settings
+checkpoint are dropped and recomputed). On CUDA that holds under ``torch.use_deterministic_algorithms(True)`` with
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (tests/test_gpu_train_run.py); without them two runs of the tiny preset also
+agreed bit for bit (BENCHMARKS.md run 127), but CUDA does not promise that of every kernel. Every checkpoint records the model config and the settings
 that decide the data order or the optimisation (``resume.RESUME_FIXED``, the corpus and tokenizer contents,
 the length of the lr schedule); a resume that differs in any of them is refused up front, naming
 them. Free to change on resume: ``--steps`` (to extend a run; not below the checkpoint's step; the
 warmup + cosine schedule keeps the length of the run's first start, so steps past it run at
-``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads and remat (execution only, though the
+``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads, remat and device (execution only, though the
 result may then differ from an uninterrupted run by rounding), export, sample_*, progress.
 ``OUT/config.json`` and ``OUT/run_config.json`` record the run as first started and a resume leaves
 them alone; each resume appends its own settings to ``OUT/resumes.jsonl``. ``--resume`` with no
@@ -137,18 +141,27 @@ def init_train_params(cfg: fd.Config, rc: RunConfig, token_map: torch.Tensor):
     return step_mod.split_params(fd.unflatten_from_paths(flat), pats)
 
 
-def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: int, mode: str) -> list[int]:
-    """Greedy continuation with the decode path: prefill the prompt, then one token per call."""
-    state = fd.init_state(cfg, batch_size=1, max_seq_len=min(cfg.max_seq_len, len(prompt_ids) + n))
-    out = fd.forward(params, {"input_ids": torch.tensor([prompt_ids])}, cfg=cfg, state=state, mode=mode)
+def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: int, mode: str,
+                  device: Optional[torch.device] = None) -> list[int]:
+    """Greedy continuation with the decode path: prefill the prompt, then one token per call (on ``device``, where
+    ``params`` are; default the CPU)."""
+    state = fd.init_state(cfg, batch_size=1, max_seq_len=min(cfg.max_seq_len, len(prompt_ids) + n), device=device)
+    out = fd.forward(params, {"input_ids": torch.tensor([prompt_ids], device=device)}, cfg=cfg, state=state,
+                     mode=mode)
     new: list[int] = []
     while len(new) < n:
         nxt = int(out.logits[0, -1].argmax())
         new.append(nxt)
         if nxt == eos or len(prompt_ids) + len(new) >= state.max_seq_len:
             break
-        out = fd.forward(params, {"input_ids": torch.tensor([[nxt]])}, cfg=cfg, state=out.state, mode=mode)
+        out = fd.forward(params, {"input_ids": torch.tensor([[nxt]], device=device)}, cfg=cfg, state=out.state,
+                         mode=mode)
     return new
+
+
+def _to_device(tree: dict, dev: torch.device) -> dict:
+    """A flat {path: leaf} dict with its tensors on ``dev`` (other leaves as they are)."""
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in tree.items()}
 
 
 def _draft_forward():
@@ -314,6 +327,13 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         data.set_state(r["data_state"])
         if r["rng_state"] is not None:
             torch.set_rng_state(r["rng_state"])
+    dev = torch.device(rc.device)
+    if dev.type == "cuda":     # params, optimizer state and batches live on the device (restored ones come as host
+        #                        copies); checkpoints and the export read them back (to_numpy, save_params)
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+        trainable, frozen = _to_device(trainable, dev), _to_device(frozen, dev)
+        opt_state = {**opt_state, "mu": _to_device(opt_state["mu"], dev), "nu": _to_device(opt_state["nu"], dev)}
     mode = "qat" if rc.qat else rc.mode
     try:
         fkw = step_mod.remat_forward_kwargs(fd.forward) if rc.remat else None
@@ -351,9 +371,10 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     if restored is not None:
         print(f"resumed from {ck.directory}/{start} (data epoch {data.epoch}, row {data.offset})", flush=True)
     n_tr = sum(v.numel() for v in trainable.values())
+    where = f"{dev} ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "cpu"
     print(f"model {rc.config}: {cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}; {n_tr / 1e6:.2f}M "
           f"trainable params in {len(trainable)} tensors, {len(frozen)} frozen leaves; data "
-          f"{data.stats()['rows_per_epoch']} rows/epoch of {rc.seq_len}", flush=True)
+          f"{data.stats()['rows_per_epoch']} rows/epoch of {rc.seq_len}; on {where}", flush=True)
 
     bar = None
     if rc.progress == "on" or (rc.progress == "auto" and sys.stderr.isatty()):
@@ -412,7 +433,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                          f"run the same command with --resume")
                     status, signum = "interrupted", sig.signum
                     break
-                batch = data.next_batch()
+                batch = _to_device(data.next_batch(), dev)
                 if fault is not None:
                     trainable = fault(s, trainable)
                 lr = optim.lr_at(s, peak=rc.lr, warmup=rc.warmup, total=schedule_steps, min_ratio=rc.min_lr_ratio)
@@ -492,7 +513,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
             # the function that was trained (a QAT run's float masters in "dequant" are another model)
             s_params, s_mode = params, mode
         with torch.no_grad():
-            new = greedy_sample(s_params, cfg, prompt, rc.sample_tokens, sp["eos"], s_mode)
+            new = greedy_sample(s_params, cfg, prompt, rc.sample_tokens, sp["eos"], s_mode, device=dev)
         text = tok.decode(prompt[1:] + new)
         result["sample"] = text
         print(f"sample (greedy, {len(new)} new tokens): {text}", flush=True)

@@ -1,0 +1,101 @@
+"""``train/run.py --device cuda``: the scripted loop on a GPU. GPU only.
+
+The same run (the main job's ``tiny`` preset, a few steps) on the CPU and on CUDA starts from the same params and
+batches, so its per-step losses must agree to bf16 rounding, and both must train; the CUDA run's export must load
+with the same tree as the CPU run's. A CUDA run interrupted after a checkpoint and resumed must give the same bits
+as one never interrupted, under deterministic algorithms (a subprocess: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when
+it starts).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import functional_dsv41 as fd
+from functional_dsv41.train import run
+
+pytestmark = pytest.mark.gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rc(out, **kw):
+    base = dict(config="tiny", steps=6, batch_size=4, seq_len=64, warmup=2, ckpt_every=0, out=str(out),
+                export=True, sample_tokens=8, progress="off")
+    base.update(kw)
+    return run.preset_config(**{"name": base.pop("config"), **base})
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_cuda_run_matches_the_cpu_run_and_exports(tmp_path, capsys):
+    cpu = run.train(_rc(tmp_path / "cpu"))
+    torch.cuda.reset_peak_memory_stats()
+    gpu = run.train(_rc(tmp_path / "gpu", device="cuda"))
+    assert cpu["status"] == gpu["status"] == "ok" and gpu["step"] == 6
+    assert torch.cuda.max_memory_allocated() > 0                  # the step ran there
+    assert "on cuda" in capsys.readouterr().out
+    mc, mg = _metrics(tmp_path / "cpu"), _metrics(tmp_path / "gpu")
+    ce_c, ce_g = [m["loss/ce"] for m in mc], [m["loss/ce"] for m in mg]
+    print("ce cpu", ce_c, "\nce cuda", ce_g)
+    # step 1: the same params and batch, another device's bf16 roundings; later steps add the updates' drift
+    assert abs(ce_g[0] - ce_c[0]) <= 1e-3 * ce_c[0], (ce_c[0], ce_g[0])
+    assert all(abs(g - c) <= 2e-2 * c for g, c in zip(ce_g, ce_c)), (ce_c, ce_g)
+    assert ce_g[-1] < ce_g[0] - 0.5, ce_g                         # it trains (7.2 at step 1)
+    assert [m["lr"] for m in mg] == [m["lr"] for m in mc]
+    cfg = fd.Config.from_json(str(tmp_path / "gpu" / "export" / "config.json"))
+    a = fd.load_params(str(tmp_path / "cpu" / "export"), cfg)
+    b = fd.load_params(str(tmp_path / "gpu" / "export"), cfg)     # strict: every tensor, shape, dtype
+    fa, fb = fd.flatten_with_paths(a), fd.flatten_with_paths(b)
+    assert sorted(fa) == sorted(fb)
+    assert all(fa[k].dtype == fb[k].dtype and fa[k].shape == fb[k].shape and fb[k].device.type == "cpu" for k in fa)
+    assert torch.equal(fa["layers.1.engram.embed.weight"].view(torch.uint8),   # frozen: moved, never changed
+                       fb["layers.1.engram.embed.weight"].view(torch.uint8))
+    assert gpu["sample"].startswith(run.RunConfig().sample_prompt) and len(gpu["sample"]) > len(run.RunConfig().sample_prompt)
+
+
+_WORKER = textwrap.dedent("""
+    import sys, torch
+    torch.use_deterministic_algorithms(True)
+    sys.path.insert(0, {repo!r})
+    from functional_dsv41.train import run
+    rc = run.preset_config(name="tiny", steps=6, batch_size=4, seq_len=64, warmup=2, ckpt_every=3, keep_last=3,
+                           out=sys.argv[1], export=True, sample_tokens=0, progress="off", device="cuda",
+                           resume=sys.argv[2] == "resume")
+    def crash(s, tr):
+        if s == 3:
+            raise SystemExit(9)   # killed after the step-3 checkpoint
+        return tr
+    r = run.train(rc, fault=crash if sys.argv[2] == "crash" else None)
+    sys.exit(0 if r["status"] == "ok" else 1)
+""")
+
+
+def test_cuda_resume_is_bit_identical(tmp_path):
+    pytest.importorskip("orbax.checkpoint", reason="the train-state checkpoints need orbax-checkpoint")
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    code = _WORKER.format(repo=REPO)
+
+    def go(out, how):
+        return subprocess.run([sys.executable, "-c", code, str(out), how], env=env, cwd=REPO, capture_output=True,
+                              text=True, timeout=600)
+
+    a = go(tmp_path / "a", "plain")
+    assert a.returncode == 0, a.stdout[-2000:] + a.stderr[-3000:]
+    b = go(tmp_path / "b", "crash")
+    assert b.returncode == 9, b.stdout[-2000:] + b.stderr[-3000:]
+    b = go(tmp_path / "b", "resume")
+    assert b.returncode == 0 and "resumed from" in b.stdout, b.stdout[-2000:] + b.stderr[-3000:]
+    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    keys = ("step", "loss/ce", "grad_norm", "lr")
+    assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
+    for name in sorted(os.listdir(tmp_path / "a" / "export")):
+        if name.endswith(".safetensors"):
+            assert (tmp_path / "a" / "export" / name).read_bytes() == (tmp_path / "b" / "export" / name).read_bytes(), name
