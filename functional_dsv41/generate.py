@@ -34,13 +34,14 @@ import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+import optree
 import torch
 
 from .config import Config, require_config
 from .dspark import dspark_draft, dspark_prefill, probs, sample_logits
 from .model import forward
 from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
-from .state import check_state_fits, init_state, positive_int
+from .state import check_state_fits, device_problem, init_state, positive_int
 
 
 class GenerateResult(list):
@@ -337,6 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--image", action="append", default=[], metavar="FILE",
                     help="an image (PNG; other formats with Pillow) for each image token in the prompt, in "
                          "order; with no image token in the prompt one is put before the text")
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu (the default), cuda or cuda:N")
     args = ap.parse_args(argv)
     from pathlib import Path
 
@@ -346,6 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if (why := device_problem(args.device)) is not None:     # before minutes of loading
+        return fail(f"--device {args.device!r}: {why}")
     if args.temperature is not None and (not math.isfinite(args.temperature) or args.temperature < 0):
         return fail(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -406,6 +410,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         params = load_params(ck, cfg)
     except (ValueError, OSError) as e:           # CheckpointError and unreadable files
         return fail(str(e))
+    if args.device != "cpu":                     # generate runs where the params are
+        dev = torch.device(args.device)
+        params = optree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, params)
     ids = tok.encode(prompt, add_special_tokens=False).ids
     beyond = sorted({i for i in ids if i >= cfg.vocab_size})
     if beyond:                                   # generate would refuse them, after the prompt was echoed

@@ -262,6 +262,26 @@ def positive_int(who: str, name: str, v) -> int:
     return n
 
 
+def device_problem(device: str) -> Optional[str]:
+    """What is wrong with ``device`` as the device to run on (a command line's ``--device``: cpu, cuda or cuda:N), or
+    None. A typo, or cuda on a machine without one, otherwise failed at the first tensor moved, after a model was
+    built or loaded."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        return "not a device (cpu, cuda or cuda:N)"
+    if d.type not in ("cpu", "cuda"):
+        return f"runs on cpu or cuda, not {d.type}"
+    if d.type == "cpu":
+        return None if d.index in (None, 0) else "the CPU is one device (cpu)"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return f"no CUDA device here (torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})"
+    if d.index is not None and d.index >= n:
+        return f"this machine has {n} CUDA device(s) (cuda:0 .. cuda:{n - 1})"
+    return None
+
+
 def clone_state(state: DecodeState) -> DecodeState:
     """An independent copy of ``state`` (every tensor cloned): the way to grow two futures from one
     state (see the module docstring, "Branching"). Costs one copy of the state's buffers."""

@@ -150,6 +150,8 @@ def _cli(capsys, *argv):
     (["--chat", "thinking", "--reasoning-effort", "101"], "--reasoning-effort: reasoning_effort=101 is not valid"),
     (["--chat", "thinking", "--reasoning-effort", "medium"], "--reasoning-effort: reasoning_effort='medium'"),
     (["--chat", "chat", "--no-bos"], "--no-bos: a --chat prompt starts with BOS"),
+    (["--device", "gpu"], "--device 'gpu': not a device"),
+    (["--device", "cuda:64"], "--device 'cuda:64': (no CUDA device here|this machine has)"),
 ])
 def test_cli_bad_arguments(capsys, args, msg):
     rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", *args)

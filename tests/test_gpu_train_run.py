@@ -2,16 +2,18 @@
 
 The same run (the main job's ``tiny`` preset, a few steps) on the CPU and on CUDA starts from the same params and
 batches, so its per-step losses must agree to bf16 rounding, and both must train; the CUDA run's export must load
-with the same tree as the CPU run's. A CUDA run interrupted after a checkpoint and resumed must give the same bits
+with the same tree as the CPU run's, and ``python -m functional_dsv41.generate --device cuda`` must run it there. A CUDA run interrupted after a checkpoint and resumed must give the same bits
 as one never interrupted, under deterministic algorithms (a subprocess: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when
 it starts).
 """
+import importlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import optree
 import pytest
 import torch
 
@@ -59,6 +61,34 @@ def test_cuda_run_matches_the_cpu_run_and_exports(tmp_path, capsys):
     assert torch.equal(fa["layers.1.engram.embed.weight"].view(torch.uint8),   # frozen: moved, never changed
                        fb["layers.1.engram.embed.weight"].view(torch.uint8))
     assert gpu["sample"].startswith(run.RunConfig().sample_prompt) and len(gpu["sample"]) > len(run.RunConfig().sample_prompt)
+    _generate_cli_on_cuda(tmp_path / "gpu" / "export", cfg, capsys)
+
+
+def _generate_cli_on_cuda(export, cfg, capsys):
+    """``python -m functional_dsv41.generate --device cuda`` on the export: it runs on the GPU and prints what
+    ``fd.generate`` gives for the same tree there."""
+    gm = importlib.import_module("functional_dsv41.generate")   # (fd.generate is the function)
+    seen, real = [], gm.generate
+
+    def spy(params, *a, **k):
+        seen.append(params["embed"]["weight"].device.type)
+        return real(params, *a, **k)
+
+    prompt = "Once upon a time"
+    gm.generate = spy
+    try:
+        rc = gm.main(["--ckpt", str(export), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0",
+                      "--device", "cuda"])
+    finally:
+        gm.generate = real
+    out = capsys.readouterr().out
+    assert rc == 0 and seen == ["cuda"], (rc, seen)
+    params = optree.tree_map(lambda x: x.cuda(), fd.load_params(str(export), cfg))
+    tok = run.load_tokenizer(str(export / "tokenizer.json"))
+    ids = [tok.token_to_id("<｜begin▁of▁sentence｜>")] + tok.encode(prompt, add_special_tokens=False).ids
+    want = fd.generate(params, [ids], cfg=cfg, max_new_tokens=8, temperature=0.0,
+                       eos_id=tok.token_to_id("<｜end▁of▁sentence｜>"))
+    assert out.startswith(prompt + tok.decode(want[0], skip_special_tokens=False)), (out, want[0])
 
 
 _WORKER = textwrap.dedent("""

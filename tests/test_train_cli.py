@@ -39,9 +39,9 @@ def _bad_corpus(tmp_path):
     (["--weight_decay", "inf"], "--weight_decay inf: must be a finite number"),
     (["--loss_ce", "nan"], "--loss_ce nan: must be a finite number"),
     (["--device", "gpu0"], "--device 'gpu0': not a device (cpu, cuda or cuda:N)"),
-    (["--device", "meta"], "--device meta: the loop runs on cpu or cuda, not meta"),
-    (["--device", "cpu:1"], "--device cpu:1: the CPU is one device (cpu)"),
-    (["--device", "cuda:64"], "--device cuda:64: "),   # no CUDA here, or not 64 devices: named either way
+    (["--device", "meta"], "--device 'meta': runs on cpu or cuda, not meta"),
+    (["--device", "cpu:1"], "--device 'cpu:1': the CPU is one device (cpu)"),
+    (["--device", "cuda:64"], "--device 'cuda:64': "),   # no CUDA here, or not 64 devices: named either way
 ])
 def test_bad_input_is_refused_before_out_is_made(tmp_path, args, message):
     args = [a(tmp_path) if callable(a) else a for a in args]
@@ -95,6 +95,6 @@ def test_signal_stops_between_steps_and_names_the_checkpoint(tmp_path, sig):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_device_refused_without_cuda(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=r"^--device cuda: no CUDA device here \(torch .*\)$"):
+    with pytest.raises(SystemExit, match=r"^--device 'cuda': no CUDA device here \(torch .*\)$"):
         run.main(SMALL + ["--out", str(out), "--device", "cuda"])
     assert not out.exists()

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 import functional_dsv41 as fd
+from functional_dsv41.state import device_problem
 from functional_dsv41.train import step as step_mod
 from functional_dsv41.train.tokenizer import CORPUS_TXT, TOKENIZER_JSON, special_ids
 
@@ -156,7 +157,7 @@ def validate(rc: RunConfig) -> None:
         (rc.sample_tokens >= 0, f"--sample_tokens must be >= 0, got {rc.sample_tokens}"),
         (rc.progress in ("auto", "on", "off"), f"--progress must be auto, on or off, got {rc.progress!r}"),
         (rc.mode in ("reference", "dequant", "qat"), f"--mode must be reference, dequant or qat, got {rc.mode!r}"),
-        *_device_checks(rc.device),
+        (device_problem(rc.device) is None, f"--device {rc.device!r}: {device_problem(rc.device)}"),
         (not (rc.resume and rc.overwrite), "--resume and --overwrite contradict each other: pass one"),
         (max(rc.coefs.values()) > 0, "every loss coefficient is <= 0 ("
          + ", ".join(f"--loss_{k} {v}" for k, v in rc.coefs.items()) + "): nothing to train"),
@@ -170,25 +171,6 @@ def validate(rc: RunConfig) -> None:
         if not ok:
             raise SystemExit(msg)
     _check_out_creatable(rc.out)
-
-
-def _device_checks(device: str) -> list[tuple[bool, str]]:
-    """--device must name a CPU or a CUDA device this process can use (a typo, or "cuda" on a machine without one,
-    failed at the first tensor moved, after the model was built)."""
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        return [(False, f"--device {device!r}: not a device (cpu, cuda or cuda:N)")]
-    if d.type not in ("cpu", "cuda"):
-        return [(False, f"--device {device}: the loop runs on cpu or cuda, not {d.type}")]
-    if d.type == "cpu":
-        return [(d.index in (None, 0), f"--device {device}: the CPU is one device (cpu)")]
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        return [(False, f"--device {device}: no CUDA device here (torch {torch.__version__}, CUDA "
-                        f"{torch.version.cuda or 'not built in'})")]
-    return [(d.index is None or d.index < n,
-             f"--device {device}: this machine has {n} CUDA device(s) (cuda:0 .. cuda:{n - 1})")]
 
 
 def _check_out_creatable(out: str) -> None:
