@@ -125,20 +125,31 @@ def train_gpu():
 
 
 def train_run():
-    """train/run.py's ``tiny`` preset on a GPU (the main job with ``--device cuda``, tests/test_gpu_train_run.py): a
-    step's forward and backward and the greedy sample's prefill and decode, at both runs' batch shapes."""
+    """train/run.py's presets on a GPU (the main job with ``--device cuda``, tests/test_gpu_train_run.py): a step's
+    forward and backward (tiny at both runs' batch shapes; every preset with the indexer KL on) and the greedy
+    sample's prefill and decode."""
     import tempfile
+    import functional_dsv41 as fd
     from functional_dsv41.engram import build_token_map
     from functional_dsv41.train import run, step as S
     for bs, seq in ((8, 128), (4, 64)):   # (the zero outputs make step 1's gradient non-finite: the run stops there)
         with tempfile.TemporaryDirectory() as out:
             run.train(run.preset_config(name="tiny", steps=1, batch_size=bs, seq_len=seq, ckpt_every=0, export=False,
                                         sample_tokens=0, out=out, progress="off"))
-    rc = run.preset_config(name="tiny")
-    cfg = run.model_config(rc)
-    tr, fr = run.init_train_params(cfg, rc, torch.as_tensor(build_token_map(rc.tokenizer), dtype=torch.int64))
-    with torch.no_grad():
-        run.greedy_sample(S.assemble(tr, fr, S.compute_dtypes(cfg, tr)), cfg, [0, 5, 6, 7], 3, 1, "dequant")
+    from functional_dsv41.params import train_state as C
+    for name in run.PRESETS:                     # the other presets' steps (draft loss, QAT, indexer KL), and the
+        with tempfile.TemporaryDirectory() as out:   # samples: a QAT run's from the export in mode "reference"
+            run.train(run.preset_config(name=name, steps=1, batch_size=4, seq_len=64, ckpt_every=0, export=False,
+                                        sample_tokens=0, out=out, progress="off", loss_indexer_kl=0.1))
+        rc = run.preset_config(name=name)
+        cfg = run.model_config(rc)
+        tr, fr = run.init_train_params(cfg, rc, torch.as_tensor(build_token_map(rc.tokenizer), dtype=torch.int64))
+        with torch.no_grad():
+            if rc.qat:
+                params = fd.unflatten_from_paths(C.to_storage(fd.flatten_with_paths(S.assemble(tr, fr)), cfg))
+                run.greedy_sample(params, cfg, [0, 5, 6, 7], 3, 1, "reference")
+            else:
+                run.greedy_sample(S.assemble(tr, fr, S.compute_dtypes(cfg, tr)), cfg, [0, 5, 6, 7], 3, 1, "dequant")
 
 
 def gemm():

@@ -9,6 +9,7 @@ it starts).
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -129,3 +130,28 @@ def test_cuda_resume_is_bit_identical(tmp_path):
     for name in sorted(os.listdir(tmp_path / "a" / "export")):
         if name.endswith(".safetensors"):
             assert (tmp_path / "a" / "export" / name).read_bytes() == (tmp_path / "b" / "export" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("preset, extra", [
+    ("tiny", dict(loss_indexer_kl=0.1, remat=True)),     # the indexer KL's aux path and per-block remat on CUDA
+    ("tiny-dspark", {}),                                 # the draft loss; the export generates speculatively
+    ("tiny-qat", {}),                                    # fake quantisation; the sample runs the export in
+])                                                       # mode "reference" (the block-scaled GEMM kernels)
+def test_each_preset_trains_on_cuda(tmp_path, capsys, preset, extra):
+    cpu = run.train(_rc(tmp_path / "cpu", config=preset, steps=1, export=False, sample_tokens=0, **extra))
+    gpu = run.train(_rc(tmp_path / "gpu", config=preset, steps=8, device="cuda", **extra))
+    assert cpu["status"] == gpu["status"] == "ok"
+    mc, mg = _metrics(tmp_path / "cpu"), _metrics(tmp_path / "gpu")
+    parts = [k for k in mg[0] if k.startswith("loss/") and k != "loss/total"]
+    print(preset, {k: [round(m[k], 4) for m in mg] for k in parts})
+    for k in parts:                                     # step 1: the same params and batch as on the CPU
+        assert abs(mg[0][k] - mc[0][k]) <= 1e-3 * abs(mc[0][k]) + 1e-4, (k, mc[0][k], mg[0][k])
+    assert mg[-1]["loss/total"] < mg[0]["loss/total"], [m["loss/total"] for m in mg]
+    capsys.readouterr()
+    gm = importlib.import_module("functional_dsv41.generate")
+    argv = ["--ckpt", str(tmp_path / "gpu" / "export"), "--prompt", "Once upon a time", "--max-new-tokens", "6",
+            "--temperature", "0", "--device", "cuda"] + (["--speculative"] if preset == "tiny-dspark" else [])
+    assert gm.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.match(r"\[[1-6] tokens in [\d.]+ s", last) and \
+        ("tokens per verify forward" in last) == (preset == "tiny-dspark"), last
