@@ -17,12 +17,12 @@ with a one-line message before anything is written.
 never interrupted (same params, optimizer state, data position, RNG; metrics lines after the
 checkpoint are dropped and recomputed). On CUDA that holds under ``torch.use_deterministic_algorithms(True)`` with
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (tests/test_gpu_train_run.py); without them two runs of the tiny preset also
-agreed bit for bit (BENCHMARKS.md run 127), but CUDA does not promise that of every kernel. Every checkpoint records the model config and the settings
-that decide the data order or the optimisation (``resume.RESUME_FIXED``, the corpus and tokenizer contents,
-the length of the lr schedule); a resume that differs in any of them is refused up front, naming
-them. Free to change on resume: ``--steps`` (to extend a run; not below the checkpoint's step; the
-warmup + cosine schedule keeps the length of the run's first start, so steps past it run at
-``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads, remat and device (execution only, though the
+agreed bit for bit (BENCHMARKS.md run 127), but CUDA does not promise that of every kernel. Every checkpoint
+records the model config and the settings that decide the data order or the optimisation
+(``resume.RESUME_FIXED``, the corpus and tokenizer contents, the length of the lr schedule); a resume that differs
+in any of them is refused up front, naming them. Free to change on resume: ``--steps`` (to extend a run; not
+below the checkpoint's step; the warmup + cosine schedule keeps the length of the run's first start, so steps past
+it run at ``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads, remat and device (execution only, though the
 result may then differ from an uninterrupted run by rounding), export, sample_*, progress.
 ``OUT/config.json`` and ``OUT/run_config.json`` record the run as first started and a resume leaves
 them alone; each resume appends its own settings to ``OUT/resumes.jsonl``. ``--resume`` with no
@@ -250,12 +250,15 @@ class _StopOnSignal:
 
 # ----------------------------------------------------------------------------- the loop
 def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
-    """Run training per ``rc`` (see ``_train``); restores torch's thread count afterwards."""
+    """Run training per ``rc`` (see ``_train``); restores torch's thread count and current CUDA device afterwards."""
     prev = torch.get_num_threads()
+    prev_dev = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     try:
         return _train(rc, fault=fault)
     finally:
         torch.set_num_threads(prev)
+        if prev_dev is not None:
+            torch.cuda.set_device(prev_dev)
 
 
 def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
