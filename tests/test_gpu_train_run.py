@@ -157,3 +157,16 @@ def test_each_preset_trains_on_cuda(tmp_path, capsys, preset, extra):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.match(r"\[[1-6] tokens in [\d.]+ s", last) and \
         ("tokens per verify forward" in last) == (preset == "tiny-dspark"), last
+
+
+def test_a_step_out_of_gpu_memory_stops_with_one_line(tmp_path, capsys):
+    """A batch far beyond the GPU's memory: the run stops at step 1 with run.py's one-line report (exit status 2),
+    not the allocator's traceback, and gives the memory back."""
+    before = torch.cuda.memory_allocated()
+    rc = run.main(["--device", "cuda", "--batch_size", "8192", "--seq_len", "256", "--steps", "1", "--ckpt_every",
+                   "0", "--export", "false", "--sample_tokens", "0", "--progress", "off", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and re.fullmatch(r"STOPPED: out of memory in step 1 on cuda:\d \(CUDA out of memory\. Tried to "
+                                    r"allocate [\d.]+ [GM]iB\)\. No update was applied\. Last good checkpoint: none; "
+                                    r"a smaller --batch_size or --seq_len, or --remat, needs less", err), err
+    assert torch.cuda.memory_allocated() <= before + 2**20

@@ -463,3 +463,34 @@ def test_resume_of_a_record_without_corpus_encoding(tmp_path):
         else:
             with pytest.raises(SystemExit, match=r"corpus_encoding None -> 2"):
                 resume.check_resume(rc, cfg, {"step": 2, "extra": old})
+
+
+def test_out_of_memory_stops_with_message_and_resumes(tmp_path, monkeypatch, capsys):
+    """A step that runs out of device memory (here a stand-in raising what CUDA raises) stops the run with one
+    line naming the step, the allocation and the last good checkpoint, exit status 2; a resume goes on."""
+    real = S.make_step
+
+    def make_step(*a, **k):
+        step = real(*a, **k)
+
+        def oom_at_3(tr, opt, batch, *, lr, step_no):
+            if step_no == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                             "capacity of 79.19 GiB of which 1.2 GiB is free. Including non-PyTorch "
+                                             "memory, this process has 78.0 GiB memory in use.")
+            return step(tr, opt, batch, lr=lr, step_no=step_no)
+        return oom_at_3
+
+    monkeypatch.setattr(S, "make_step", make_step)
+    out = tmp_path / "o"
+    argv = ["--steps", "4", "--batch_size", "2", "--seq_len", "48", "--warmup", "2", "--ckpt_every", "2",
+            "--export", "false", "--sample_tokens", "0", "--progress", "off", "--out", str(out)]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"STOPPED: out of memory in step 3 on cpu (CUDA out of memory. Tried to allocate 20.00 GiB). No "
+                   f"update was applied. Last good checkpoint: {out / 'ckpt' / '2'}; a smaller --batch_size or "
+                   f"--seq_len, or --remat, needs less"), err
+    assert [s for s, *_ in _losses(out)] == [1, 2]
+    monkeypatch.setattr(S, "make_step", real)
+    assert run.main(argv + ["--resume"]) == 0
+    assert [s for s, *_ in _losses(out)] == [1, 2, 3, 4]

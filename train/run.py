@@ -34,9 +34,11 @@ prints where the last good checkpoint is; a second one aborts at once. A newest 
 named, with the step before it, instead of resumed from.
 
 Exit status: 0 on success; 2 when a loss part or gradient goes non-finite (the message names the step
-and the part/leaves; the last good checkpoint is left complete and loadable) or a checkpoint or the export
+and the part/leaves; the last good checkpoint is left complete and loadable), a step runs out of device memory
+(the message names the step, what it tried to allocate and the last good checkpoint) or a checkpoint or the export
 cannot be written (e.g. the disk is full: the message names the last good checkpoint to resume from);
-130 / 143 when stopped by SIGINT / SIGTERM.
+130 / 143 when stopped by SIGINT / SIGTERM. Params and optimizer state that do not fit ``--device`` are refused
+before anything is written.
 """
 from __future__ import annotations
 
@@ -159,6 +161,14 @@ def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: in
     return new
 
 
+def _first_sentences(e: BaseException, n: int = 2, width: int = 160) -> str:
+    """The first ``n`` sentences of an exception's message, for a one-line report (CUDA's out-of-memory text runs on:
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...")."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    head = ". ".join(text.split(". ")[:n])
+    return head if len(head) <= width else head[:width - 3] + "..."
+
+
 def _to_device(tree: dict, dev: torch.device) -> dict:
     """A flat {path: leaf} dict with its tensors on ``dev`` (other leaves as they are)."""
     return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in tree.items()}
@@ -263,7 +273,7 @@ def train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
 
 def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     """Run training per ``rc``. Returns {"status", "step", "metrics": last metrics, "out"}; status is "ok",
-    "non_finite", "write_failed" or "interrupted" (then "signal" holds the signal number).
+    "non_finite", "out_of_memory", "write_failed" or "interrupted" (then "signal" holds the signal number).
 
     Every check (options, inputs, the OUT folder, a resume's settings) runs before the first write to OUT,
     so a refused run leaves OUT as it was. ``fault(step_no, trainable) -> trainable`` is a test hook applied
@@ -335,8 +345,14 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         #                        copies); checkpoints and the export read them back (to_numpy, save_params)
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
-        trainable, frozen = _to_device(trainable, dev), _to_device(frozen, dev)
-        opt_state = {**opt_state, "mu": _to_device(opt_state["mu"], dev), "nu": _to_device(opt_state["nu"], dev)}
+        try:
+            trainable, frozen = _to_device(trainable, dev), _to_device(frozen, dev)
+            opt_state = {**opt_state, "mu": _to_device(opt_state["mu"], dev), "nu": _to_device(opt_state["nu"], dev)}
+        except torch.OutOfMemoryError as e:
+            need = sum(t.numel() * t.element_size() for tree in (trainable, frozen, opt_state["mu"], opt_state["nu"])
+                       for t in tree.values() if isinstance(t, torch.Tensor))
+            raise SystemExit(f"--device {dev}: the params and optimizer state ({need / 2**30:.2f} GiB) do not fit "
+                             f"({_first_sentences(e)})") from None
     mode = "qat" if rc.qat else rc.mode
     try:
         fkw = step_mod.remat_forward_kwargs(fd.forward) if rc.remat else None
@@ -445,6 +461,12 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                 except step_mod.NonFiniteError as e:
                     stop(f"STOPPED: {e}. No update was applied. Last good checkpoint: {last_good()}")
                     status = "non_finite"
+                    break
+                except torch.OutOfMemoryError as e:   # a traceback of the allocator's state said less than this
+                    stop(f"STOPPED: out of memory in step {s + 1} on {dev} ({_first_sentences(e)}). No update was "
+                         f"applied. Last good checkpoint: {last_good()}; a smaller --batch_size or --seq_len, or "
+                         f"--remat, needs less")
+                    status = "out_of_memory"
                     break
                 m = {"step": s + 1, **m, "epoch": data.epoch, "wall": time.perf_counter() - t_start}
                 mf.write(json.dumps(m) + "\n")
