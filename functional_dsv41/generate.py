@@ -412,7 +412,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail(str(e))
     if args.device != "cpu":                     # generate runs where the params are
         dev = torch.device(args.device)
-        params = optree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, params)
+        try:
+            params = optree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, params)
+        except torch.OutOfMemoryError:
+            need = sum(x.numel() * x.element_size() for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor))
+            return fail(f"--device {args.device}: the checkpoint's params ({need / 2**30:.2f} GiB) do not fit in its "
+                        f"memory")
     ids = tok.encode(prompt, add_special_tokens=False).ids
     beyond = sorted({i for i in ids if i >= cfg.vocab_size})
     if beyond:                                   # generate would refuse them, after the prompt was echoed

@@ -428,3 +428,20 @@ def test_token_types_values_and_generate_rows(model):
         fd.forward(params, {"input_ids": ids, "token_types": torch.tensor([[-1, 4, -1]])}, cfg=cfg)
     with pytest.raises(ValueError, match="token_types must hold one row per prompt .* got int"):
         fd.generate(params, [[1, 2]], cfg=cfg, max_new_tokens=1, token_types=5)
+
+
+def test_cli_params_that_do_not_fit_the_device(capsys, monkeypatch):
+    """--device: a checkpoint too big for the device's memory is one line (exit status 2), not CUDA's traceback;
+    the move is stood in for by a tensor method raising what CUDA raises (no GPU here)."""
+    import functional_dsv41.state as st
+    monkeypatch.setattr(st, "device_problem", lambda d: None)
+    import importlib
+    gm = importlib.import_module("functional_dsv41.generate")
+    monkeypatch.setattr(gm, "device_problem", lambda d: None)
+
+    def to(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    rc, err = _cli(capsys, "--ckpt", str(fixture_dir("tiny-bf16")), "--prompt", "hi", "--device", "cuda:0")
+    assert rc == 2 and re.fullmatch(r"error: --device cuda:0: the checkpoint's params \([\d.]+ GiB\) do not fit in its "
+                                    r"memory\n", err), err
