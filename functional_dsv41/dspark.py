@@ -175,21 +175,21 @@ def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor,
         rot = rope_angles(cfg, L, qpos)
         res = h
         a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
-        x = rms_norm(hc_pre(h, pre), p["attn_norm"]["weight"], eps)
+        x = rms_norm(hc_pre(h, pre, impl=impl), p["attn_norm"]["weight"], eps)
         x = _stage_attention(p["attn"], x, main_rows[si], idx, rot, cfg=cfg, mode=mode, impl=impl, qdq=qdq,
                              debug=d)
-        h = hc_post(x, res, a_post, a_comb)
+        h = hc_post(x, res, a_post, a_comb, impl=impl)
         res = h
         f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
-        y = rms_norm(hc_pre(h, a_pre), p["ffn_norm"]["weight"], eps)
+        y = rms_norm(hc_pre(h, a_pre, impl=impl), p["ffn_norm"]["weight"], eps)
         y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=L, mode=mode, impl=impl, dispatch=dispatch,
                           return_routing=True)
-        h = hc_post(y, res, f_post, f_comb)
+        h = hc_post(y, res, f_post, f_comb, impl=impl)
         pre = f_pre
         if debug is not None:
             d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
             debug.update({f"stage.{si}.{k}": v for k, v in d.items()})
-    return hc_pre(h, pre)
+    return hc_pre(h, pre, impl=impl)
 
 
 def _head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:

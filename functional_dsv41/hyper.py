@@ -14,7 +14,7 @@ import torch
 
 from . import kernels
 from .config import Config
-from .invariant import linear_rows, ordered_sum
+from .invariant import linear_rows
 
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, cfg: Config,
@@ -30,15 +30,17 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
                                      cfg.hc_eps, impl=impl)
 
 
-def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Collapse the streams: sum_j pre_j * h_j in fp32 -> [b, s, dim] in h's dtype."""
-    return ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
+def hc_pre(h: torch.Tensor, pre: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """Collapse the streams: sum_j pre_j * h_j in fp32 (products rounded, summed in index order) -> [b, s, dim] in
+    h's dtype (``kernels.hc_pre``: on the GPU one fused kernel with the same bits)."""
+    return kernels.hc_pre(h, pre, impl=impl)
 
 
-def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+            impl: str | None = None) -> torch.Tensor:
     """Expand: out_k = post_k * y + sum_j comb[j, k] * res_j (fp32) -> [b, s, hc, dim] in y's dtype.
 
-    y [b, s, dim] sublayer output, res [b, s, hc, dim] the sublayer's input streams.
+    y [b, s, dim] sublayer output, res [b, s, hc, dim] the sublayer's input streams (``kernels.hc_post``: on the
+    GPU one fused kernel with the same bits, not the [b, s, hc, hc, dim] fp32 temporary of the torch spelling).
     """
-    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + ordered_sum(comb.unsqueeze(-1) * res.float().unsqueeze(-2), -3)
-    return out.to(y.dtype)
+    return kernels.hc_post(y, res, post, comb, impl=impl)

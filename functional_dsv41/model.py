@@ -65,16 +65,16 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
     d = {} if debug is not None else None
     res = h
     a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
-    x = rms_norm(hc_pre(h, pre_in), p["attn_norm"]["weight"], eps)
+    x = rms_norm(hc_pre(h, pre_in, impl=impl), p["attn_norm"]["weight"], eps)
     x, cache, shared, _ = attention(p["attn"], x, cfg=cfg, layer_id=layer_id, chunk=chunk, cache=cache,
                                     shared=shared, mode=mode, impl=impl, qdq=qdq, debug=d, aux=aux)
-    h = hc_post(x, res, a_post, a_comb)
+    h = hc_post(x, res, a_post, a_comb, impl=impl)
     res = h
     f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
-    y = rms_norm(hc_pre(h, a_pre), p["ffn_norm"]["weight"], eps)
+    y = rms_norm(hc_pre(h, a_pre, impl=impl), p["ffn_norm"]["weight"], eps)
     y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=layer_id, image_mask=image_mask, mode=mode,
                       impl=impl, dispatch=dispatch, return_routing=True)
-    h = hc_post(y, res, f_post, f_comb)
+    h = hc_post(y, res, f_post, f_comb, impl=impl)
     if debug is not None:
         d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
         debug.update({f"layer.{layer_id}.{k}": v for k, v in d.items()})
@@ -390,7 +390,7 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
         if return_hidden:
             hidden[L], pre_mix[L] = h, pre
 
-    x = rms_norm(hc_pre(h, pre), params["norm"]["weight"], cfg.norm_eps)
+    x = rms_norm(hc_pre(h, pre, impl=impl), params["norm"]["weight"], cfg.norm_eps)
     logits = sharding.vocab_logits(x.float(), params["head"]["weight"], linear_rows)   # fp32 [b, s, V]
     new_state = None
     if state is not None:

@@ -28,7 +28,7 @@ class Unsupported(ValueError):
 
 
 OPS = ("act_quant", "fp4_act_quant", "fp8_gemm", "fp4_gemm", "fp4_gemm_grouped", "sparse_attn", "hc_split_sinkhorn",
-       "index_scores", "index_topk", "index_candidates")
+       "hc_pre", "hc_post", "index_scores", "index_topk", "index_candidates")
 IMPLS = ("auto", "torch", "tilelang")
 
 
@@ -134,6 +134,8 @@ fp4_gemm = _dispatcher("fp4_gemm")
 fp4_gemm_grouped = _dispatcher("fp4_gemm_grouped")
 sparse_attn = _dispatcher("sparse_attn")
 hc_split_sinkhorn = _dispatcher("hc_split_sinkhorn")
+hc_pre = _dispatcher("hc_pre")
+hc_post = _dispatcher("hc_post")
 index_scores = _dispatcher("index_scores")
 index_topk = _dispatcher("index_topk")
 index_candidates = _dispatcher("index_candidates")

@@ -248,6 +248,38 @@ def indexer(results, args):
         del X
 
 
+def hc_apply(results, args):
+    """hc_pre / hc_post at the release shape ([M] tokens, hc 4, dim 5120, bf16): the fused kernels against the torch
+    reference (whose hc_post builds an [M, 4, 4, 5120] fp32 temporary), forward and forward + backward. GB/s count
+    the bytes that must move: hc_pre reads h (bf16) and writes x; hc_post reads y and res and writes out."""
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import hc_apply_tl as ha
+    M, hc, dim = args.m, 4, 5120
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(M, hc, dim, device="cuda", generator=g).bfloat16()
+    y = torch.randn(M, dim, device="cuda", generator=g).bfloat16()
+    pre = torch.rand(M, hc, device="cuda", generator=g)
+    post = 2 * torch.rand(M, hc, device="cuda", generator=g)
+    comb = torch.softmax(torch.randn(M, hc, hc, device="cuda", generator=g), -1)
+    by_pre, by_post = M * dim * 2 * (hc + 1), M * dim * 2 * (2 * hc + 1)
+    print(f"-- hc_pre / hc_post [{M}, {hc}, {dim}] bf16", flush=True)
+    results.append(row("hc_pre tilelang", bench(lambda: ha.hc_pre(h, pre)), None, by_pre))
+    results.append(row("hc_pre torch reference", bench(lambda: reference.hc_pre(h, pre)), None, by_pre))
+    results.append(row("hc_post tilelang", bench(lambda: ha.hc_post(y, h, post, comb)), None, by_post))
+    results.append(row("hc_post torch reference", bench(lambda: reference.hc_post(y, h, post, comb)), None, by_post))
+    hg, yg, pg, qg, cg = (t.clone().requires_grad_() for t in (h, y, pre, post, comb))
+    dx, dout = torch.randn_like(y), torch.randn_like(h)
+
+    def fb(fpre, fpost):
+        a = fpre(hg, pg)
+        b = fpost(yg, hg, qg, cg)
+        torch.autograd.grad((a, b), (hg, yg, pg, qg, cg), (dx, dout))
+    results.append(row("hc_pre + hc_post fwd+bwd tilelang (torch bwd)", bench(lambda: fb(ha.hc_pre, ha.hc_post)), None,
+                       None))
+    results.append(row("hc_pre + hc_post fwd+bwd torch reference autograd",
+                       bench(lambda: fb(reference.hc_pre, reference.hc_post)), None, None))
+
+
 # name -> section(results, args); each kernel family owns one entry (--only picks some)
 SECTIONS = {
     "ceilings": lambda results, args: ceilings(results),
@@ -270,6 +302,7 @@ SECTIONS = {
     "quant": quantizers,
     "fp4hc": fp4_hc,
     "hc": hc_sinkhorn,
+    "hcapply": hc_apply,
     "indexer": indexer,
 }
 

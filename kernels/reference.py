@@ -319,3 +319,64 @@ def hc_split_sinkhorn(mixes: torch.Tensor, hc_scale: torch.Tensor, hc_base: torc
         c = c / (invariant.ordered_sum(c, -1, keepdim=True) + eps)
         c = c / (invariant.ordered_sum(c, -2, keepdim=True) + eps)
     return pre, post, c
+
+
+# ----------------------------------------------------------------------------- mHC applications (SPEC §2)
+def check_hc_pre(h: torch.Tensor, pre: torch.Tensor) -> None:
+    """hc_pre's operand shapes: h [..., hc, dim], pre [..., hc] (the same leading dims)."""
+    if h.dim() < 2 or tuple(pre.shape) != tuple(h.shape[:-1]):
+        _shape_error("hc_pre", [f"h must be [..., hc, dim] and pre [..., hc] with h's leading dims, got h "
+                                f"{list(h.shape)} and pre {list(pre.shape)}"])
+
+
+def check_hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    """hc_post's operand shapes: y [..., dim], res [..., hc, dim], post [..., hc], comb [..., hc, hc]."""
+    p = []
+    if res.dim() < 2:
+        p.append(f"res must be [..., hc, dim], got {list(res.shape)}")
+    else:
+        lead, hc, dim = tuple(res.shape[:-2]), res.shape[-2], res.shape[-1]
+        if tuple(y.shape) != lead + (dim,):
+            p.append(f"y must be {list(lead + (dim,))} (res's leading dims and dim), got {list(y.shape)}")
+        if tuple(post.shape) != lead + (hc,):
+            p.append(f"post must be {list(lead + (hc,))}, got {list(post.shape)}")
+        if tuple(comb.shape) != lead + (hc, hc):
+            p.append(f"comb must be {list(lead + (hc, hc))}, got {list(comb.shape)}")
+    _shape_error("hc_post", p)
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the streams: x = sum_j pre_j * h_j in fp32 (the products rounded, summed in index order) -> h's
+    dtype. h [..., hc, dim], pre [..., hc] -> [..., dim]."""
+    check_hc_pre(h, pre)
+    return invariant.ordered_sum(pre.unsqueeze(-1) * h.float(), -2).to(h.dtype)
+
+
+def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand: out_k = post_k * y + sum_j comb[j, k] * res_j (fp32, products rounded, the sum over j in index order)
+    -> y's dtype. y [..., dim] the sublayer output, res [..., hc, dim] its input streams, post [..., hc],
+    comb [..., hc, hc] -> [..., hc, dim]."""
+    check_hc_post(y, res, post, comb)
+    mixed = invariant.ordered_sum(comb.unsqueeze(-1) * res.float().unsqueeze(-2), -3)
+    return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(y.dtype)
+
+
+def hc_pre_bwd(h: torch.Tensor, pre: torch.Tensor, dx: torch.Tensor):
+    """(dh, dpre) of ``hc_pre`` given dx [..., dim]: what autograd computes through it (dh = pre_j dx in h's dtype,
+    dpre_j = sum_d dx h_j in fp32), for the fused kernels' autograd."""
+    g = dx.float()
+    dh = (pre.unsqueeze(-1) * g.unsqueeze(-2)).to(h.dtype)
+    dpre = torch.matmul(h.float(), g.unsqueeze(-1)).squeeze(-1).to(pre.dtype)
+    return dh, dpre
+
+
+def hc_post_bwd(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, dout: torch.Tensor):
+    """(dy, dres, dpost, dcomb) of ``hc_post`` given dout [..., hc, dim], by batched matmuls over the hc axis and
+    dim (no [..., hc, hc, dim] temporary): dy = sum_k post_k dout_k, dres_j = sum_k comb[j, k] dout_k,
+    dpost_k = sum_d dout_k y, dcomb[j, k] = sum_d res_j dout_k."""
+    g = dout.float()
+    dy = torch.matmul(post.unsqueeze(-2), g).squeeze(-2).to(y.dtype)
+    dres = torch.matmul(comb, g).to(res.dtype)
+    dpost = torch.matmul(g, y.float().unsqueeze(-1)).squeeze(-1).to(post.dtype)
+    dcomb = torch.matmul(res.float(), g.transpose(-1, -2)).to(comb.dtype)
+    return dy, dres, dpost, dcomb

@@ -168,3 +168,65 @@ def test_hc_fwd_variants(lead, hc, iters, threads, div):
         err = float((o.reshape(r.shape) - r).abs().max())
         print(f"hc fwd threads={threads} div={div} {lead} {name}: max abs diff {err:.2e}")
         assert err <= 1e-5, name
+
+
+# ----------------------------------------------------------------------------- hc_pre / hc_post (fused applications)
+APPLY_SHAPES = [((2, 2048), 4, 5120), ((3, 37), 4, 128), ((1, 1), 4, 640), ((5,), 2, 256)]
+
+
+def _apply_inputs(lead, hc, dim, seed=11):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    h = torch.randn(*lead, hc, dim, device=DEV, generator=g).bfloat16()
+    y = torch.randn(*lead, dim, device=DEV, generator=g).bfloat16()
+    pre = torch.rand(*lead, hc, device=DEV, generator=g) + 1e-6
+    post = 2 * torch.rand(*lead, hc, device=DEV, generator=g)
+    comb = torch.softmax(torch.randn(*lead, hc, hc, device=DEV, generator=g) * 2, -1)
+    return h, y, pre, post, comb
+
+
+@pytest.mark.parametrize("lead,hc,dim", APPLY_SHAPES, ids=lambda c: str(c).replace(" ", ""))
+def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim):
+    """The fused kernels round every product and sum as the torch spelling does (no FMA), in the same order."""
+    _need_tilelang()
+    h, y, pre, post, comb = _apply_inputs(lead, hc, dim)
+    x, x_ref = K.hc_pre(h, pre, impl="tilelang"), K.hc_pre(h, pre, impl="torch")
+    o, o_ref = K.hc_post(y, h, post, comb, impl="tilelang"), K.hc_post(y, h, post, comb, impl="torch")
+    assert x.shape == x_ref.shape and x.dtype == torch.bfloat16 and o.shape == o_ref.shape
+    print(f"hc_pre {lead} hc={hc} dim={dim}: {int((x != x_ref).sum())} of {x.numel()} differ; "
+          f"hc_post: {int((o != o_ref).sum())} of {o.numel()}")
+    assert torch.equal(x, x_ref) and torch.equal(o, o_ref)
+
+
+def test_hc_pre_post_fused_gradients_and_torch_func():
+    """Through autograd and torch.func.grad: the fused ops' gradients equal autograd through the references within
+    fp32 summation-order noise (bf16 gradients of h, y: within one bf16 ulp)."""
+    _need_tilelang()
+    h, y, pre, post, comb = _apply_inputs((2, 64), 4, 512)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    dx, dout = torch.randn(2, 64, 512, device=DEV, generator=g), torch.randn(2, 64, 4, 512, device=DEV, generator=g)
+
+    def loss(impl, h, y, pre, post, comb):
+        return ((K.hc_pre(h, pre, impl=impl).float() * dx).sum()
+                + (K.hc_post(y, h, post, comb, impl=impl).float() * dout).sum())
+    args = (h, y, pre, post, comb)
+    ins = [t.clone().requires_grad_() for t in args]
+    want = torch.autograd.grad(loss("torch", *ins), ins)
+    ins = [t.clone().requires_grad_() for t in args]
+    got = torch.autograd.grad(loss("tilelang", *ins), ins)
+    fgot = torch.func.grad(lambda *a: loss("tilelang", *a), argnums=(0, 1, 2, 3, 4))(*args)
+    for name, a, b, w in zip(("h", "y", "pre", "post", "comb"), got, fgot, want):
+        assert torch.equal(a, b), name
+        tol = dict(atol=2e-2, rtol=1e-2) if w.dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(a.float(), w.float(), **tol, msg=name)
+
+
+def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover():
+    """dim 100 (no 128-column tile) and fp32 streams run the torch reference under impl="auto"; "tilelang" says why."""
+    _need_tilelang()
+    h, y, pre, post, comb = _apply_inputs((3,), 4, 100)
+    assert torch.equal(K.hc_pre(h, pre, impl="auto"), K.hc_pre(h, pre, impl="torch"))
+    assert torch.equal(K.hc_post(y, h, post, comb, impl="auto"), K.hc_post(y, h, post, comb, impl="torch"))
+    with pytest.raises(K.Unsupported, match="dim 100 is not a multiple of 128"):
+        K.hc_pre(h, pre, impl="tilelang")
+    h32 = torch.randn(3, 4, 128, device=DEV)
+    assert torch.equal(K.hc_pre(h32, pre, impl="auto"), K.hc_pre(h32, pre, impl="torch"))

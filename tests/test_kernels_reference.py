@@ -4,6 +4,7 @@ import torch
 
 from functional_dsv41 import kernels as K
 from functional_dsv41 import quant as Q
+from functional_dsv41.kernels import reference
 
 from conftest import golden
 
@@ -440,3 +441,29 @@ def test_hc_split_sinkhorn_needs_at_least_one_iteration(iters):
     with pytest.raises(ValueError, match=r"hc_split_sinkhorn: sinkhorn_iters must be an int >= 1"):
         K.hc_split_sinkhorn(m, s, b, 4, iters, impl="torch")
     K.hc_split_sinkhorn(m, s, b, 4, 1, impl="torch")
+
+
+def test_hc_pre_post_backwards_are_autograd_through_the_reference():
+    """reference.hc_pre_bwd / hc_post_bwd (the fused kernels' backwards) against autograd through hc_pre / hc_post,
+    fp32 operands so that only the summation order of the reductions over dim differs."""
+    g = torch.Generator().manual_seed(3)
+    h, y = torch.randn(2, 5, 4, 64, generator=g), torch.randn(2, 5, 64, generator=g)
+    pre, post = torch.rand(2, 5, 4, generator=g), 2 * torch.rand(2, 5, 4, generator=g)
+    comb = torch.softmax(torch.randn(2, 5, 4, 4, generator=g), -1)
+    dx, dout = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 4, 64, generator=g)
+    ins = [t.clone().requires_grad_() for t in (h, pre)]
+    want = torch.autograd.grad(reference.hc_pre(*ins), ins, dx)
+    for got, w in zip(reference.hc_pre_bwd(h, pre, dx), want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+    ins = [t.clone().requires_grad_() for t in (y, h, post, comb)]
+    want = torch.autograd.grad(reference.hc_post(*ins), ins, dout)
+    for got, w in zip(reference.hc_post_bwd(y, h, post, comb, dout), want):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+
+
+def test_hc_pre_post_refuse_mismatched_shapes_naming_them():
+    h, pre = torch.zeros(2, 4, 8), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"hc_pre: h must be \[\.\.\., hc, dim\] and pre \[\.\.\., hc\]"):
+        K.hc_pre(h, pre[:, :3])
+    with pytest.raises(ValueError, match=r"hc_post: y must be \[2, 8\] .*; comb must be \[2, 4, 4\], got \[2, 4\]"):
+        K.hc_post(torch.zeros(2, 7), h, pre, pre)

@@ -1,0 +1,153 @@
+"""The hyper-connection applications (SPEC §2), fused: ``hc_pre`` (collapse the streams) and ``hc_post`` (expand the
+sublayer output back into them), TileLang/Hopper.
+
+Why: in torch each is a chain of fp32 temporaries. ``hc_post`` materialises ``comb[j, k] * res_j`` as
+[tokens, hc, hc, dim] fp32 (1.3 GB at 4096 tokens of the release's dim 5120) before summing it, so it moves ~25
+times the bytes it must (read y and res in bf16, write out in bf16). Here each thread takes 8 consecutive columns
+of one token, reads its hc stream values once, and writes the result once.
+
+Numerics: the reference's exactly. Every product and sum is a separately rounded fp32 ``__fmul_rn`` /
+``__fadd_rn`` (no FMA contraction), the sums over streams in index order as ``invariant.ordered_sum``, then one
+round to bf16: the same bits as ``reference.hc_pre`` / ``reference.hc_post`` on the GPU. The backwards are torch
+(``reference.hc_pre_bwd`` / ``hc_post_bwd``: the same maths as autograd through the reference, with batched
+matmuls for the sums over dim instead of [tokens, hc, hc, dim] temporaries).
+"""
+import functools
+
+import torch
+import tilelang.language as T
+
+from .. import reference
+from ._common import Unsupported, compile_kernel
+
+BF16, F32 = "bfloat16", "float32"
+VEC = 8                         # bf16 columns a thread (16-byte loads and stores)
+THREADS = 128
+
+
+def _cols(dim: int) -> int:
+    """Columns a CTA covers (of one token): the largest of 1024, 512, 256, 128 dividing ``dim``."""
+    for c in (1024, 512, 256, 128):
+        if dim % c == 0:
+            return c
+    raise Unsupported(f"hc_pre / hc_post: dim {dim} is not a multiple of 128")
+
+
+def _ordered_sum(w, S, n, col, hc: int, k=None):
+    """The expression ((w_0 S_0 + w_1 S_1) + ...) + w_{hc-1} S_{hc-1} at (n, col), each product and sum a separately
+    rounded fp32 op; w[j] (hc_pre) or w[j * hc + k] (hc_post's column k of comb). Plain Python, called from the
+    kernels' bodies: the unrolling happens here, not as a TIR loop (whose body could not carry the sum)."""
+    def term(j):
+        return T.ieee_mul(w[j] if k is None else w[j * hc + k], T.cast(S[n, j, col], F32))
+    acc = term(0)
+    for j in range(1, hc):
+        acc = T.ieee_add(acc, term(j))
+    return acc
+
+
+@functools.lru_cache(maxsize=None)
+def hc_pre_kernel(hc: int, dim: int):
+    """h [N, hc, dim] bf16, pre [N, hc] fp32 -> x [N, dim] bf16: x = bf16(((pre_0 h_0 + pre_1 h_1) + ...) )."""
+    N = T.dynamic("N")
+    C = _cols(dim)
+
+    @T.prim_func
+    def hc_pre(H: T.Tensor([N, hc, dim], BF16), Pre: T.Tensor([N, hc], F32), X: T.Tensor([N, dim], BF16)):
+        with T.Kernel(dim // C, N, threads=THREADS) as (bc, n):
+            p = T.alloc_local([hc], F32)
+            for j in T.unroll(hc):
+                p[j] = Pre[n, j]
+            for c in T.Parallel(C):
+                col = bc * C + c
+                X[n, col] = T.cast(_ordered_sum(p, H, n, col, hc), BF16)
+
+    return compile_kernel(hc_pre)
+
+
+@functools.lru_cache(maxsize=None)
+def hc_post_kernel(hc: int, dim: int):
+    """y [N, dim] bf16, res [N, hc, dim] bf16, post [N, hc], comb [N, hc, hc] fp32 -> out [N, hc, dim] bf16:
+    out_k = bf16(post_k y + ((comb[0, k] res_0 + comb[1, k] res_1) + ...))."""
+    N = T.dynamic("N")
+    C = _cols(dim)
+
+    @T.prim_func
+    def hc_post(Y: T.Tensor([N, dim], BF16), Res: T.Tensor([N, hc, dim], BF16), Post: T.Tensor([N, hc], F32),
+                Comb: T.Tensor([N, hc, hc], F32), Out: T.Tensor([N, hc, dim], BF16)):
+        with T.Kernel(dim // C, N, threads=THREADS) as (bc, n):
+            p = T.alloc_local([hc], F32)
+            cm = T.alloc_local([hc * hc], F32)
+            for j in T.unroll(hc):
+                p[j] = Post[n, j]
+                for k in T.unroll(hc):
+                    cm[j * hc + k] = Comb[n, j, k]
+            for c in T.Parallel(C):
+                col = bc * C + c
+                y = T.cast(Y[n, col], F32)
+                for k in T.unroll(hc):
+                    Out[n, k, col] = T.cast(T.ieee_add(T.ieee_mul(p[k], y), _ordered_sum(cm, Res, n, col, hc, k)), BF16)
+
+    return compile_kernel(hc_post)
+
+
+class _HcPre(torch.autograd.Function):
+    """Fused forward; torch backward (setup_context form, for torch.func.grad)."""
+
+    @staticmethod
+    def forward(h, pre):
+        n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
+        x = h.new_empty(*h.shape[:-2], dim)
+        if n:
+            hc_pre_kernel(int(hc), int(dim))(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
+                                              x.view(n, dim))
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, dx):
+        h, pre = ctx.saved_tensors
+        return reference.hc_pre_bwd(h, pre, dx)
+
+
+class _HcPost(torch.autograd.Function):
+    @staticmethod
+    def forward(y, res, post, comb):
+        n, hc, dim = res.shape[:-2].numel(), res.shape[-2], res.shape[-1]
+        out = res.new_empty(res.shape)
+        if n:
+            hc_post_kernel(int(hc), int(dim))(y.reshape(n, dim), res.reshape(n, hc, dim),
+                                               post.reshape(n, hc).contiguous(), comb.reshape(n, hc, hc).contiguous(),
+                                               out.view(n, hc, dim))
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return reference.hc_post_bwd(*ctx.saved_tensors, dout)
+
+
+def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.hc_pre``; Unsupported (-> torch under impl="auto") unless h is bf16 and
+    contiguous, pre fp32 and dim a multiple of 128."""
+    reference.check_hc_pre(h, pre)
+    if h.dtype != torch.bfloat16 or pre.dtype != torch.float32 or not h.is_contiguous():
+        raise Unsupported("hc_pre: the kernel takes contiguous bf16 streams and fp32 weights")
+    _cols(h.shape[-1])
+    return _HcPre.apply(h, pre)
+
+
+def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.hc_post``; Unsupported unless y and res are contiguous bf16, post and comb
+    fp32 and dim a multiple of 128."""
+    reference.check_hc_post(y, res, post, comb)
+    if (y.dtype != torch.bfloat16 or res.dtype != torch.bfloat16 or post.dtype != torch.float32
+            or comb.dtype != torch.float32 or not (y.is_contiguous() and res.is_contiguous())):
+        raise Unsupported("hc_post: the kernel takes contiguous bf16 y, res and fp32 post, comb")
+    _cols(res.shape[-1])
+    return _HcPost.apply(y, res, post, comb)
