@@ -264,8 +264,14 @@ def hc_apply(results, args):
     by_pre, by_post = M * dim * 2 * (hc + 1), M * dim * 2 * (2 * hc + 1)
     print(f"-- hc_pre / hc_post [{M}, {hc}, {dim}] bf16", flush=True)
     results.append(row("hc_pre tilelang", bench(lambda: ha.hc_pre(h, pre)), None, by_pre))
+    for st in (True, False):
+        k, x = ha.hc_pre_kernel(hc, dim, st), torch.empty_like(y)
+        results.append(row(f"  hc_pre kernel staged={st}", bench(lambda: k(h, pre, x)), None, by_pre))
     results.append(row("hc_pre torch reference", bench(lambda: reference.hc_pre(h, pre)), None, by_pre))
     results.append(row("hc_post tilelang", bench(lambda: ha.hc_post(y, h, post, comb)), None, by_post))
+    for st in (True, False):
+        k, o = ha.hc_post_kernel(hc, dim, st), torch.empty_like(h)
+        results.append(row(f"  hc_post kernel staged={st}", bench(lambda: k(y, h, post, comb, o)), None, by_post))
     results.append(row("hc_post torch reference", bench(lambda: reference.hc_post(y, h, post, comb)), None, by_post))
     hg, yg, pg, qg, cg = (t.clone().requires_grad_() for t in (h, y, pre, post, comb))
     dx, dout = torch.randn_like(y), torch.randn_like(h)

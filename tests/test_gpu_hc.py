@@ -184,10 +184,13 @@ def _apply_inputs(lead, hc, dim, seed=11):
     return h, y, pre, post, comb
 
 
+@pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("lead,hc,dim", APPLY_SHAPES, ids=lambda c: str(c).replace(" ", ""))
-def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim):
+def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim, staged, monkeypatch):
     """The fused kernels round every product and sum as the torch spelling does (no FMA), in the same order."""
     _need_tilelang()
+    from functional_dsv41.kernels.tilelang import hc_apply_tl
+    monkeypatch.setattr(hc_apply_tl, "STAGED", staged)
     h, y, pre, post, comb = _apply_inputs(lead, hc, dim)
     x, x_ref = K.hc_pre(h, pre, impl="tilelang"), K.hc_pre(h, pre, impl="torch")
     o, o_ref = K.hc_post(y, h, post, comb, impl="tilelang"), K.hc_post(y, h, post, comb, impl="torch")

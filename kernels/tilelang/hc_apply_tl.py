@@ -2,9 +2,9 @@
 sublayer output back into them), TileLang/Hopper.
 
 Why: in torch each is a chain of fp32 temporaries. ``hc_post`` materialises ``comb[j, k] * res_j`` as
-[tokens, hc, hc, dim] fp32 (1.3 GB at 4096 tokens of the release's dim 5120) before summing it, so it moves ~25
-times the bytes it must (read y and res in bf16, write out in bf16). Here each thread takes 8 consecutive columns
-of one token, reads its hc stream values once, and writes the result once.
+[tokens, hc, hc, dim] fp32 (1.3 GB at 4096 tokens of the release's dim 5120) before summing it, so it moves many
+times the bytes it must (read y and res in bf16, write out in bf16). Here a CTA takes up to 1024 columns of one
+token: its hc streams are read once (16-byte loads into shared memory when ``staged``), each output written once.
 
 Numerics: the reference's exactly. Every product and sum is a separately rounded fp32 ``__fmul_rn`` /
 ``__fadd_rn`` (no FMA contraction), the sums over streams in index order as ``invariant.ordered_sum``, then one
@@ -21,8 +21,8 @@ from .. import reference
 from ._common import Unsupported, compile_kernel
 
 BF16, F32 = "bfloat16", "float32"
-VEC = 8                         # bf16 columns a thread (16-byte loads and stores)
 THREADS = 128
+STAGED = True                   # the kernels' default layout (bench --only hcapply compares both)
 
 
 def _cols(dim: int) -> int:
@@ -33,12 +33,13 @@ def _cols(dim: int) -> int:
     raise Unsupported(f"hc_pre / hc_post: dim {dim} is not a multiple of 128")
 
 
-def _ordered_sum(w, S, n, col, hc: int, k=None):
-    """The expression ((w_0 S_0 + w_1 S_1) + ...) + w_{hc-1} S_{hc-1} at (n, col), each product and sum a separately
-    rounded fp32 op; w[j] (hc_pre) or w[j * hc + k] (hc_post's column k of comb). Plain Python, called from the
-    kernels' bodies: the unrolling happens here, not as a TIR loop (whose body could not carry the sum)."""
+def _ordered_sum(w, S, before, after, hc: int, k=None):
+    """The expression ((w_0 s_0 + w_1 s_1) + ...) + w_{hc-1} s_{hc-1}, s_j = S[*before, j, *after], each product and
+    sum a separately rounded fp32 op; w[j] (hc_pre) or w[j * hc + k] (hc_post's column k of comb). Plain Python,
+    called from the kernels' bodies: the unrolling happens here, not as a TIR loop (whose body could not carry the
+    sum)."""
     def term(j):
-        return T.ieee_mul(w[j] if k is None else w[j * hc + k], T.cast(S[n, j, col], F32))
+        return T.ieee_mul(w[j] if k is None else w[j * hc + k], T.cast(S[(*before, j, *after)], F32))
     acc = term(0)
     for j in range(1, hc):
         acc = T.ieee_add(acc, term(j))
@@ -46,8 +47,10 @@ def _ordered_sum(w, S, n, col, hc: int, k=None):
 
 
 @functools.lru_cache(maxsize=None)
-def hc_pre_kernel(hc: int, dim: int):
-    """h [N, hc, dim] bf16, pre [N, hc] fp32 -> x [N, dim] bf16: x = bf16(((pre_0 h_0 + pre_1 h_1) + ...) )."""
+def hc_pre_kernel(hc: int, dim: int, staged: bool = True):
+    """h [N, hc, dim] bf16, pre [N, hc] fp32 -> x [N, dim] bf16: x = bf16(((pre_0 h_0 + pre_1 h_1) + ...) ).
+    ``staged``: the CTA's [hc, C] slice is copied into shared memory (16-byte accesses) and x out of registers;
+    else each value is read and written where it is used (2-byte accesses)."""
     N = T.dynamic("N")
     C = _cols(dim)
 
@@ -57,17 +60,25 @@ def hc_pre_kernel(hc: int, dim: int):
             p = T.alloc_local([hc], F32)
             for j in T.unroll(hc):
                 p[j] = Pre[n, j]
-            for c in T.Parallel(C):
-                col = bc * C + c
-                X[n, col] = T.cast(_ordered_sum(p, H, n, col, hc), BF16)
+            if staged:
+                hf = T.alloc_shared([hc, C], BF16)        # (a fragment's elements must be read at the loop's
+                xf = T.alloc_fragment([C], BF16)          # own indices)
+                T.copy(H[n, :, bc * C:(bc + 1) * C], hf)
+                for c in T.Parallel(C):
+                    xf[c] = T.cast(_ordered_sum(p, hf, (), (c,), hc), BF16)
+                T.copy(xf, X[n, bc * C:(bc + 1) * C])
+            else:
+                for c in T.Parallel(C):
+                    col = bc * C + c
+                    X[n, col] = T.cast(_ordered_sum(p, H, (n,), (col,), hc), BF16)
 
     return compile_kernel(hc_pre)
 
 
 @functools.lru_cache(maxsize=None)
-def hc_post_kernel(hc: int, dim: int):
+def hc_post_kernel(hc: int, dim: int, staged: bool = True):
     """y [N, dim] bf16, res [N, hc, dim] bf16, post [N, hc], comb [N, hc, hc] fp32 -> out [N, hc, dim] bf16:
-    out_k = bf16(post_k y + ((comb[0, k] res_0 + comb[1, k] res_1) + ...))."""
+    out_k = bf16(post_k y + ((comb[0, k] res_0 + comb[1, k] res_1) + ...)). ``staged``: as hc_pre_kernel's."""
     N = T.dynamic("N")
     C = _cols(dim)
 
@@ -81,11 +92,24 @@ def hc_post_kernel(hc: int, dim: int):
                 p[j] = Post[n, j]
                 for k in T.unroll(hc):
                     cm[j * hc + k] = Comb[n, j, k]
-            for c in T.Parallel(C):
-                col = bc * C + c
-                y = T.cast(Y[n, col], F32)
+            if staged:
+                yf = T.alloc_shared([C], BF16)
+                rf = T.alloc_shared([hc, C], BF16)
+                of = T.alloc_shared([hc, C], BF16)
+                T.copy(Y[n, bc * C:(bc + 1) * C], yf)
+                T.copy(Res[n, :, bc * C:(bc + 1) * C], rf)
                 for k in T.unroll(hc):
-                    Out[n, k, col] = T.cast(T.ieee_add(T.ieee_mul(p[k], y), _ordered_sum(cm, Res, n, col, hc, k)), BF16)
+                    for c in T.Parallel(C):
+                        of[k, c] = T.cast(T.ieee_add(T.ieee_mul(p[k], T.cast(yf[c], F32)),
+                                                     _ordered_sum(cm, rf, (), (c,), hc, k)), BF16)
+                T.copy(of, Out[n, :, bc * C:(bc + 1) * C])
+            else:
+                for c in T.Parallel(C):
+                    col = bc * C + c
+                    y = T.cast(Y[n, col], F32)
+                    for k in T.unroll(hc):
+                        Out[n, k, col] = T.cast(T.ieee_add(T.ieee_mul(p[k], y),
+                                                           _ordered_sum(cm, Res, (n,), (col,), hc, k)), BF16)
 
     return compile_kernel(hc_post)
 
@@ -98,7 +122,7 @@ class _HcPre(torch.autograd.Function):
         n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
         x = h.new_empty(*h.shape[:-2], dim)
         if n:
-            hc_pre_kernel(int(hc), int(dim))(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
+            hc_pre_kernel(int(hc), int(dim), STAGED)(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
                                               x.view(n, dim))
         return x
 
@@ -118,7 +142,7 @@ class _HcPost(torch.autograd.Function):
         n, hc, dim = res.shape[:-2].numel(), res.shape[-2], res.shape[-1]
         out = res.new_empty(res.shape)
         if n:
-            hc_post_kernel(int(hc), int(dim))(y.reshape(n, dim), res.reshape(n, hc, dim),
+            hc_post_kernel(int(hc), int(dim), STAGED)(y.reshape(n, dim), res.reshape(n, hc, dim),
                                                post.reshape(n, hc).contiguous(), comb.reshape(n, hc, hc).contiguous(),
                                                out.view(n, hc, dim))
         return out
