@@ -174,6 +174,15 @@ def test_hc_fwd_variants(lead, hc, iters, threads, div):
 APPLY_SHAPES = [((2, 2048), 4, 5120), ((3, 37), 4, 128), ((1, 1), 4, 640), ((5,), 2, 256)]
 
 
+@pytest.fixture
+def hc_apply_on(monkeypatch):
+    """The fused kernels are opt-in in the model (hc_apply_tl.ENABLED); these tests run them."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import hc_apply_tl
+    monkeypatch.setattr(hc_apply_tl, "ENABLED", True)
+    return hc_apply_tl
+
+
 def _apply_inputs(lead, hc, dim, seed=11):
     g = torch.Generator(device=DEV).manual_seed(seed)
     h = torch.randn(*lead, hc, dim, device=DEV, generator=g).bfloat16()
@@ -186,11 +195,9 @@ def _apply_inputs(lead, hc, dim, seed=11):
 
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("lead,hc,dim", APPLY_SHAPES, ids=lambda c: str(c).replace(" ", ""))
-def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim, staged, monkeypatch):
+def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim, staged, monkeypatch, hc_apply_on):
     """The fused kernels round every product and sum as the torch spelling does (no FMA), in the same order."""
-    _need_tilelang()
-    from functional_dsv41.kernels.tilelang import hc_apply_tl
-    monkeypatch.setattr(hc_apply_tl, "STAGED", staged)
+    monkeypatch.setattr(hc_apply_on, "STAGED", staged)
     h, y, pre, post, comb = _apply_inputs(lead, hc, dim)
     x, x_ref = K.hc_pre(h, pre, impl="tilelang"), K.hc_pre(h, pre, impl="torch")
     o, o_ref = K.hc_post(y, h, post, comb, impl="tilelang"), K.hc_post(y, h, post, comb, impl="torch")
@@ -200,7 +207,7 @@ def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim, staged, monke
     assert torch.equal(x, x_ref) and torch.equal(o, o_ref)
 
 
-def test_hc_pre_post_fused_gradients_and_torch_func():
+def test_hc_pre_post_fused_gradients_and_torch_func(hc_apply_on):
     """Through autograd and torch.func.grad: the fused ops' gradients equal autograd through the references within
     fp32 summation-order noise (bf16 gradients of h, y: within one bf16 ulp)."""
     _need_tilelang()
@@ -223,7 +230,7 @@ def test_hc_pre_post_fused_gradients_and_torch_func():
         torch.testing.assert_close(a.float(), w.float(), **tol, msg=name)
 
 
-def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover():
+def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover(hc_apply_on):
     """dim 100 (no 128-column tile) and fp32 streams run the torch reference under impl="auto"; "tilelang" says why."""
     _need_tilelang()
     h, y, pre, post, comb = _apply_inputs((3,), 4, 100)
@@ -233,3 +240,16 @@ def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover():
         K.hc_pre(h, pre, impl="tilelang")
     h32 = torch.randn(3, 4, 128, device=DEV)
     assert torch.equal(K.hc_pre(h32, pre, impl="auto"), K.hc_pre(h32, pre, impl="torch"))
+
+
+def test_hc_apply_kernels_are_opt_in():
+    """Off by default (hc_apply_tl.ENABLED, DSV41_HC_APPLY): impl="tilelang" says how to turn them on, "auto" runs
+    the torch spelling."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import hc_apply_tl
+    if hc_apply_tl.ENABLED:
+        pytest.skip("DSV41_HC_APPLY=tilelang is set in this environment")
+    h, y, pre, post, comb = _apply_inputs((3,), 4, 128)
+    with pytest.raises(K.Unsupported, match=r"hc_pre: the fused kernel is opt-in .*DSV41_HC_APPLY=tilelang"):
+        K.hc_pre(h, pre, impl="tilelang")
+    assert torch.equal(K.hc_post(y, h, post, comb, impl="auto"), K.hc_post(y, h, post, comb, impl="torch"))
