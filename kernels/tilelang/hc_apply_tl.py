@@ -119,46 +119,40 @@ def hc_post_kernel(hc: int, dim: int, staged: bool = True):
     return compile_kernel(hc_post)
 
 
-class _HcPre(torch.autograd.Function):
-    """Fused forward; torch backward (setup_context form, for torch.func.grad)."""
+def _launch_pre(h, pre):
+    n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
+    x = h.new_empty(*h.shape[:-2], dim)
+    if n:
+        hc_pre_kernel(int(hc), int(dim), STAGED)(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
+                                                 x.view(n, dim))
+    return x
 
-    @staticmethod
-    def forward(h, pre):
-        n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
-        x = h.new_empty(*h.shape[:-2], dim)
-        if n:
-            hc_pre_kernel(int(hc), int(dim), STAGED)(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
-                                              x.view(n, dim))
-        return x
 
-    @staticmethod
+def _launch_post(y, res, post, comb):
+    n, hc, dim = res.shape[:-2].numel(), res.shape[-2], res.shape[-1]
+    out = res.new_empty(res.shape)
+    if n:
+        hc_post_kernel(int(hc), int(dim), STAGED)(y.reshape(n, dim), res.reshape(n, hc, dim),
+                                                  post.reshape(n, hc).contiguous(),
+                                                  comb.reshape(n, hc, hc).contiguous(), out.view(n, hc, dim))
+    return out
+
+
+def _fused(name: str, launch, bwd):
+    """An autograd.Function (setup_context form, for torch.func.grad too): the kernel ``launch`` forward, the torch
+    ``bwd(*inputs, grad)`` backward."""
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
 
-    @staticmethod
-    def backward(ctx, dx):
-        h, pre = ctx.saved_tensors
-        return reference.hc_pre_bwd(h, pre, dx)
+    def backward(ctx, grad):
+        return bwd(*ctx.saved_tensors, grad)
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(launch),
+                                                   "setup_context": staticmethod(setup_context),
+                                                   "backward": staticmethod(backward)})
 
 
-class _HcPost(torch.autograd.Function):
-    @staticmethod
-    def forward(y, res, post, comb):
-        n, hc, dim = res.shape[:-2].numel(), res.shape[-2], res.shape[-1]
-        out = res.new_empty(res.shape)
-        if n:
-            hc_post_kernel(int(hc), int(dim), STAGED)(y.reshape(n, dim), res.reshape(n, hc, dim),
-                                               post.reshape(n, hc).contiguous(), comb.reshape(n, hc, hc).contiguous(),
-                                               out.view(n, hc, dim))
-        return out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return reference.hc_post_bwd(*ctx.saved_tensors, dout)
+_HcPre = _fused("_HcPre", _launch_pre, reference.hc_pre_bwd)
+_HcPost = _fused("_HcPost", _launch_post, reference.hc_post_bwd)
 
 
 def _check_enabled(op: str) -> None:
