@@ -465,19 +465,28 @@ def test_resume_of_a_record_without_corpus_encoding(tmp_path):
                 resume.check_resume(rc, cfg, {"step": 2, "extra": old})
 
 
-def test_out_of_memory_stops_with_message_and_resumes(tmp_path, monkeypatch, capsys):
-    """A step that runs out of device memory (here a stand-in raising what CUDA raises) stops the run with one
-    line naming the step, the allocation and the last good checkpoint, exit status 2; a resume goes on."""
+_OOM = {"allocator": (torch.OutOfMemoryError, "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                             "capacity of 79.19 GiB of which 1.2 GiB is free. Including non-PyTorch "
+                                             "memory, this process has 78.0 GiB memory in use.",
+                      "CUDA out of memory. Tried to allocate 20.00 GiB"),
+        "cublas": (RuntimeError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                   "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")}
+
+
+@pytest.mark.parametrize("kind", list(_OOM))
+def test_out_of_memory_stops_with_message_and_resumes(tmp_path, monkeypatch, capsys, kind):
+    """A step that runs out of device memory (here a stand-in raising what CUDA's allocator or cuBLAS raises) stops
+    the run with one line naming the step, the allocation and the last good checkpoint, exit status 2; a resume
+    goes on. Another RuntimeError still propagates."""
     real = S.make_step
+    exc, text, shown = _OOM[kind]
 
     def make_step(*a, **k):
         step = real(*a, **k)
 
         def oom_at_3(tr, opt, batch, *, lr, step_no):
             if step_no == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
-                                             "capacity of 79.19 GiB of which 1.2 GiB is free. Including non-PyTorch "
-                                             "memory, this process has 78.0 GiB memory in use.")
+                raise exc(text)
             return step(tr, opt, batch, lr=lr, step_no=step_no)
         return oom_at_3
 
@@ -487,10 +496,20 @@ def test_out_of_memory_stops_with_message_and_resumes(tmp_path, monkeypatch, cap
             "--export", "false", "--sample_tokens", "0", "--progress", "off", "--out", str(out)]
     assert run.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"STOPPED: out of memory in step 3 on cpu (CUDA out of memory. Tried to allocate 20.00 GiB). No "
-                   f"update was applied. Last good checkpoint: {out / 'ckpt' / '2'}; a smaller --batch_size or "
-                   f"--seq_len, or --remat, needs less"), err
+    assert err == (f"STOPPED: out of memory in step 3 on cpu ({shown}). No update was applied. Last good checkpoint: "
+                   f"{out / 'ckpt' / '2'}; a smaller --batch_size or --seq_len, or --remat, needs less"), err
     assert [s for s, *_ in _losses(out)] == [1, 2]
     monkeypatch.setattr(S, "make_step", real)
     assert run.main(argv + ["--resume"]) == 0
     assert [s for s, *_ in _losses(out)] == [1, 2, 3, 4]
+
+
+def test_a_runtime_error_that_is_not_out_of_memory_propagates(tmp_path, monkeypatch):
+    def make_step(*a, **k):
+        def boom(tr, opt, batch, *, lr, step_no):
+            raise RuntimeError("shape mismatch in some op")
+        return boom
+
+    monkeypatch.setattr(S, "make_step", make_step)
+    with pytest.raises(RuntimeError, match="shape mismatch in some op"):
+        run.train(_rc(tmp_path / "o"))

@@ -161,6 +161,14 @@ def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: in
     return new
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says the device ran out of memory: torch's allocator raises ``torch.OutOfMemoryError``; a
+    library that allocates for itself raises a RuntimeError naming it (cuBLAS: "CUBLAS_STATUS_ALLOC_FAILED")."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA out of memory",
+                                                                   "cudaErrorMemoryAllocation")))
+
+
 def _first_sentences(e: BaseException, n: int = 2, width: int = 160) -> str:
     """The first ``n`` sentences of an exception's message, for a one-line report (CUDA's out-of-memory text runs on:
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...")."""
@@ -462,7 +470,9 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
                     stop(f"STOPPED: {e}. No update was applied. Last good checkpoint: {last_good()}")
                     status = "non_finite"
                     break
-                except torch.OutOfMemoryError as e:   # a traceback of the allocator's state said less than this
+                except RuntimeError as e:   # (OutOfMemoryError is one) a traceback said less than this
+                    if not _out_of_memory(e):
+                        raise
                     stop(f"STOPPED: out of memory in step {s + 1} on {dev} ({_first_sentences(e)}). No update was "
                          f"applied. Last good checkpoint: {last_good()}; a smaller --batch_size or --seq_len, or "
                          f"--remat, needs less")
