@@ -126,16 +126,17 @@ def train_gpu():
 
 def train_run():
     """train/run.py's presets on a GPU (the main job with ``--device cuda``, tests/test_gpu_train_run.py): a step's
-    forward and backward (tiny at both runs' batch shapes; every preset with the indexer KL on) and the greedy
-    sample's prefill and decode."""
+    forward and backward (tiny at the main job's batch shape; every preset at the tests', the indexer KL on) and
+    the greedy sample's prefill and decode."""
     import tempfile
     import functional_dsv41 as fd
     from functional_dsv41.engram import build_token_map
     from functional_dsv41.train import run, step as S
-    for bs, seq in ((8, 128), (4, 64)):   # (the zero outputs make step 1's gradient non-finite: the run stops there)
-        with tempfile.TemporaryDirectory() as out:
-            run.train(run.preset_config(name="tiny", steps=1, batch_size=bs, seq_len=seq, ckpt_every=0, export=False,
-                                        sample_tokens=0, out=out, progress="off"))
+    # the main job's shape (the zero outputs make step 1's gradient non-finite: the run stops there); the tests'
+    # (4, 64) below, with every preset
+    with tempfile.TemporaryDirectory() as out:
+        run.train(run.preset_config(name="tiny", steps=1, batch_size=8, seq_len=128, ckpt_every=0, export=False,
+                                    sample_tokens=0, out=out, progress="off"))
     from functional_dsv41.params import train_state as C
     for name in run.PRESETS:                     # the other presets' steps (draft loss, QAT, indexer KL), and the
         with tempfile.TemporaryDirectory() as out:   # samples: a QAT run's from the export in mode "reference"
@@ -331,7 +332,8 @@ def attn_pp():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["release-layers", "train-gpu", "train-run", "gemm", "tests", "attn-bench", "attn-pp"])
+    ap.add_argument("what", choices=["release-layers", "train-gpu", "train-run", "gemm", "tests", "attn-bench",
+                                     "attn-pp"])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     args, rest = ap.parse_known_args(argv)
     if rest and args.what != "tests":

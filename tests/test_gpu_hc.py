@@ -210,7 +210,6 @@ def test_hc_pre_post_fused_give_the_references_bits(lead, hc, dim, staged, monke
 def test_hc_pre_post_fused_gradients_and_torch_func(hc_apply_on):
     """Through autograd and torch.func.grad: the fused ops' gradients equal autograd through the references within
     fp32 summation-order noise (bf16 gradients of h, y: within one bf16 ulp)."""
-    _need_tilelang()
     h, y, pre, post, comb = _apply_inputs((2, 64), 4, 512)
     g = torch.Generator(device=DEV).manual_seed(1)
     dx, dout = torch.randn(2, 64, 512, device=DEV, generator=g), torch.randn(2, 64, 4, 512, device=DEV, generator=g)
@@ -232,7 +231,6 @@ def test_hc_pre_post_fused_gradients_and_torch_func(hc_apply_on):
 
 def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover(hc_apply_on):
     """dim 100 (no 128-column tile) and fp32 streams run the torch reference under impl="auto"; "tilelang" says why."""
-    _need_tilelang()
     h, y, pre, post, comb = _apply_inputs((3,), 4, 100)
     assert torch.equal(K.hc_pre(h, pre, impl="auto"), K.hc_pre(h, pre, impl="torch"))
     assert torch.equal(K.hc_post(y, h, post, comb, impl="auto"), K.hc_post(y, h, post, comb, impl="torch"))

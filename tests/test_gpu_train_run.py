@@ -2,9 +2,9 @@
 
 The same run (the main job's ``tiny`` preset, a few steps) on the CPU and on CUDA starts from the same params and
 batches, so its per-step losses must agree to bf16 rounding, and both must train; the CUDA run's export must load
-with the same tree as the CPU run's, and ``python -m functional_dsv41.generate --device cuda`` must run it there. A CUDA run interrupted after a checkpoint and resumed must give the same bits
-as one never interrupted, under deterministic algorithms (a subprocess: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when
-it starts).
+with the same tree as the CPU run's, and ``python -m functional_dsv41.generate --device cuda`` must run it there.
+A CUDA run interrupted after a checkpoint and resumed must give the same bits as one never interrupted, under
+deterministic algorithms (a subprocess: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it starts).
 """
 import importlib
 import json
@@ -61,7 +61,8 @@ def test_cuda_run_matches_the_cpu_run_and_exports(tmp_path, capsys):
     assert all(fa[k].dtype == fb[k].dtype and fa[k].shape == fb[k].shape and fb[k].device.type == "cpu" for k in fa)
     assert torch.equal(fa["layers.1.engram.embed.weight"].view(torch.uint8),   # frozen: moved, never changed
                        fb["layers.1.engram.embed.weight"].view(torch.uint8))
-    assert gpu["sample"].startswith(run.RunConfig().sample_prompt) and len(gpu["sample"]) > len(run.RunConfig().sample_prompt)
+    prompt = run.RunConfig().sample_prompt
+    assert gpu["sample"].startswith(prompt) and len(gpu["sample"]) > len(prompt)
     _generate_cli_on_cuda(tmp_path / "gpu" / "export", cfg, capsys)
 
 
@@ -130,7 +131,8 @@ def test_cuda_resume_is_bit_identical(tmp_path):
     assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
     for name in sorted(os.listdir(tmp_path / "a" / "export")):
         if name.endswith(".safetensors"):
-            assert (tmp_path / "a" / "export" / name).read_bytes() == (tmp_path / "b" / "export" / name).read_bytes(), name
+            a, b = (tmp_path / run_ / "export" / name for run_ in ("a", "b"))
+            assert a.read_bytes() == b.read_bytes(), name
 
 
 @pytest.mark.parametrize("preset, extra", [

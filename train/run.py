@@ -22,8 +22,8 @@ records the model config and the settings that decide the data order or the opti
 (``resume.RESUME_FIXED``, the corpus and tokenizer contents, the length of the lr schedule); a resume that differs
 in any of them is refused up front, naming them. Free to change on resume: ``--steps`` (to extend a run; not
 below the checkpoint's step; the warmup + cosine schedule keeps the length of the run's first start, so steps past
-it run at ``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads, remat and device (execution only, though the
-result may then differ from an uninterrupted run by rounding), export, sample_*, progress.
+it run at ``lr * min_lr_ratio``), log_every, ckpt_every, keep_last, threads, remat and device (execution only,
+though the result may then differ from an uninterrupted run by rounding), export, sample_*, progress.
 ``OUT/config.json`` and ``OUT/run_config.json`` record the run as first started and a resume leaves
 them alone; each resume appends its own settings to ``OUT/resumes.jsonl``. ``--resume`` with no
 finished checkpoint says so and starts afresh.
@@ -175,6 +175,11 @@ def _first_sentences(e: BaseException, n: int = 2, width: int = 160) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     head = ". ".join(text.split(". ")[:n])
     return head if len(head) <= width else head[:width - 3] + "..."
+
+
+def _nbytes(*trees: dict) -> int:
+    """Bytes held by the tensors of flat {path: leaf} dicts."""
+    return sum(t.numel() * t.element_size() for tree in trees for t in tree.values() if isinstance(t, torch.Tensor))
 
 
 def _to_device(tree: dict, dev: torch.device) -> dict:
@@ -357,8 +362,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
             trainable, frozen = _to_device(trainable, dev), _to_device(frozen, dev)
             opt_state = {**opt_state, "mu": _to_device(opt_state["mu"], dev), "nu": _to_device(opt_state["nu"], dev)}
         except torch.OutOfMemoryError as e:
-            need = sum(t.numel() * t.element_size() for tree in (trainable, frozen, opt_state["mu"], opt_state["nu"])
-                       for t in tree.values() if isinstance(t, torch.Tensor))
+            need = _nbytes(trainable, frozen, opt_state["mu"], opt_state["nu"])
             raise SystemExit(f"--device {dev}: the params and optimizer state ({need / 2**30:.2f} GiB) do not fit "
                              f"({_first_sentences(e)})") from None
     mode = "qat" if rc.qat else rc.mode
@@ -433,8 +437,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     def save_checkpoint(step: int) -> bool:
         """Start the asynchronous save of ``step``; False (after the message) when it cannot be written."""
         state = {**trainable, **{k: v for k, v in frozen.items() if isinstance(v, torch.Tensor)}}
-        need = sum(t.numel() * t.element_size() for tree in (state, opt_state["mu"], opt_state["nu"])
-                   for t in tree.values())
+        need = _nbytes(state, opt_state["mu"], opt_state["nu"])
         free = shutil.disk_usage(ck.directory).free
         if free < need:   # else orbax's writer threads fail midway, with a traceback per array
             stop(f"STOPPED before the checkpoint of step {step}: it needs {need / 2**20:.1f} MiB and "

@@ -134,6 +134,7 @@ def validate(rc: RunConfig) -> None:
                                              ("weight_decay", rc.weight_decay), ("b1", rc.b1), ("b2", rc.b2),
                                              *((f"loss_{k}", v) for k, v in rc.coefs.items()))
                  if not math.isfinite(v)] + ([f"--clip {rc.clip}"] if math.isnan(rc.clip) else [])
+    device_why = device_problem(rc.device)
     checks = [
         # a NaN fails every comparison below but one (a NaN loss coefficient would switch its part off silently),
         # an inf lr or weight decay passes them: either way the first update writes NaN into every parameter,
@@ -157,7 +158,7 @@ def validate(rc: RunConfig) -> None:
         (rc.sample_tokens >= 0, f"--sample_tokens must be >= 0, got {rc.sample_tokens}"),
         (rc.progress in ("auto", "on", "off"), f"--progress must be auto, on or off, got {rc.progress!r}"),
         (rc.mode in ("reference", "dequant", "qat"), f"--mode must be reference, dequant or qat, got {rc.mode!r}"),
-        (device_problem(rc.device) is None, f"--device {rc.device!r}: {device_problem(rc.device)}"),
+        (device_why is None, f"--device {rc.device!r}: {device_why}"),
         (not (rc.resume and rc.overwrite), "--resume and --overwrite contradict each other: pass one"),
         (max(rc.coefs.values()) > 0, "every loss coefficient is <= 0 ("
          + ", ".join(f"--loss_{k} {v}" for k, v in rc.coefs.items()) + "): nothing to train"),
