@@ -171,7 +171,8 @@ def test_hc_fwd_variants(lead, hc, iters, threads, div):
 
 
 # ----------------------------------------------------------------------------- hc_pre / hc_post (fused applications)
-APPLY_SHAPES = [((2, 2048), 4, 5120), ((3, 37), 4, 128), ((1, 1), 4, 640), ((5,), 2, 256)]
+# (70000,): more tokens than a grid's y dimension holds (65535); the kernels put tokens on x
+APPLY_SHAPES = [((2, 2048), 4, 5120), ((3, 37), 4, 128), ((1, 1), 4, 640), ((5,), 2, 256), ((70000,), 4, 128)]
 
 
 @pytest.fixture

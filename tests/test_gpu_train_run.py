@@ -164,8 +164,11 @@ def test_each_preset_trains_on_cuda(tmp_path, capsys, preset, extra):
 def test_a_step_out_of_gpu_memory_stops_with_one_line(tmp_path, capsys):
     """A batch far beyond the GPU's memory: the run stops at step 1 with run.py's one-line report (exit status 2),
     not the allocator's traceback, and gives the memory back."""
+    from functional_dsv41.train.settings import tiny_model
+    # enough rows that the batch's fp32 logits alone exceed the card's memory (8192 or more: 109k on an 80 GiB card)
+    rows = max(8192, -(-torch.cuda.get_device_properties(0).total_memory // (256 * tiny_model().vocab_size * 4)))
     before = torch.cuda.memory_allocated()
-    rc = run.main(["--device", "cuda", "--batch_size", "8192", "--seq_len", "256", "--steps", "1", "--ckpt_every",
+    rc = run.main(["--device", "cuda", "--batch_size", str(rows), "--seq_len", "256", "--steps", "1", "--ckpt_every",
                    "0", "--export", "false", "--sample_tokens", "0", "--progress", "off", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and re.fullmatch(r"STOPPED: out of memory in step 1 on cuda:\d \(CUDA out of memory\. Tried to "

@@ -61,7 +61,7 @@ def hc_pre_kernel(hc: int, dim: int, staged: bool = True):
 
     @T.prim_func
     def hc_pre(H: T.Tensor([N, hc, dim], BF16), Pre: T.Tensor([N, hc], F32), X: T.Tensor([N, dim], BF16)):
-        with T.Kernel(dim // C, N, threads=THREADS) as (bc, n):
+        with T.Kernel(N, dim // C, threads=THREADS) as (n, bc):  # tokens on x: y stops at 65535
             p = T.alloc_local([hc], F32)
             for j in T.unroll(hc):
                 p[j] = Pre[n, j]
@@ -90,7 +90,7 @@ def hc_post_kernel(hc: int, dim: int, staged: bool = True):
     @T.prim_func
     def hc_post(Y: T.Tensor([N, dim], BF16), Res: T.Tensor([N, hc, dim], BF16), Post: T.Tensor([N, hc], F32),
                 Comb: T.Tensor([N, hc, hc], F32), Out: T.Tensor([N, hc, dim], BF16)):
-        with T.Kernel(dim // C, N, threads=THREADS) as (bc, n):
+        with T.Kernel(N, dim // C, threads=THREADS) as (n, bc):  # tokens on x: y stops at 65535
             p = T.alloc_local([hc], F32)
             cm = T.alloc_local([hc * hc], F32)
             for j in T.unroll(hc):
