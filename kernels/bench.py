@@ -281,15 +281,34 @@ def _hc_apply_rows(results, args, ha):
         k, o = ha.hc_post_kernel(hc, dim, st), torch.empty_like(h)
         results.append(row(f"  hc_post kernel staged={st}", bench(lambda: k(y, h, post, comb, o)), None, by_post))
     results.append(row("hc_post torch reference", bench(lambda: reference.hc_post(y, h, post, comb)), None, by_post))
-    hg, yg, pg, qg, cg = (t.clone().requires_grad_() for t in (h, y, pre, post, comb))
     dx, dout = torch.randn_like(y), torch.randn_like(h)
+    # backward bytes: hc_pre reads h, dx and writes dh; hc_post reads y, res, dout and writes dy, dres
+    bb_pre, bb_post = M * dim * 2 * (2 * hc + 1), M * dim * 2 * (4 * hc + 2)
+    k = ha.hc_pre_bwd_kernel(hc, dim)
+    dh, dp = torch.empty_like(h), torch.empty_like(pre)
+    results.append(row("hc_pre bwd kernel", bench(lambda: k(h, pre, dx, dh, dp)), None, bb_pre))
+    results.append(row("hc_pre bwd torch (reference.hc_pre_bwd)", bench(lambda: reference.hc_pre_bwd(h, pre, dx)),
+                       None, bb_pre))
+    k = ha.hc_post_bwd_kernel(hc, dim)
+    dy, dr, dq, dc = torch.empty_like(y), torch.empty_like(h), torch.empty_like(post), torch.empty_like(comb)
+    results.append(row("hc_post bwd kernel", bench(lambda: k(y, h, post, comb, dout, dy, dr, dq, dc.view(M, -1))),
+                       None, bb_post))
+    results.append(row("hc_post bwd torch (reference.hc_post_bwd)",
+                       bench(lambda: reference.hc_post_bwd(y, h, post, comb, dout)), None, bb_post))
+    hg, yg, pg, qg, cg = (t.clone().requires_grad_() for t in (h, y, pre, post, comb))
 
     def fb(fpre, fpost):
         a = fpre(hg, pg)
         b = fpost(yg, hg, qg, cg)
         torch.autograd.grad((a, b), (hg, yg, pg, qg, cg), (dx, dout))
-    results.append(row("hc_pre + hc_post fwd+bwd tilelang (torch bwd)", bench(lambda: fb(ha.hc_pre, ha.hc_post)), None,
-                       None))
+    fused_bwd = ha.FUSED_BWD
+    try:
+        for fused in (True, False):
+            ha.FUSED_BWD = fused
+            results.append(row(f"hc_pre + hc_post fwd+bwd tilelang ({'kernel' if fused else 'torch'} bwd)",
+                               bench(lambda: fb(ha.hc_pre, ha.hc_post)), None, None))
+    finally:
+        ha.FUSED_BWD = fused_bwd
     results.append(row("hc_pre + hc_post fwd+bwd torch reference autograd",
                        bench(lambda: fb(reference.hc_pre, reference.hc_post)), None, None))
 

@@ -1,10 +1,13 @@
 """TileLang mHC split + Sinkhorn (forward and backward) against the torch reference (SPEC §10; issue #7). GPU only: tests/conftest.py skips
 them without CUDA. fp32: within 1e-5; gradients against autograd of the reference.
 """
+import os
+
 import pytest
 import torch
 
 from functional_dsv41 import kernels as K
+from functional_dsv41.kernels import reference
 
 from conftest import cosine_diff
 from gpu_common import DEV, need_tilelang as _need_tilelang
@@ -230,6 +233,57 @@ def test_hc_pre_post_fused_gradients_and_torch_func(hc_apply_on):
         torch.testing.assert_close(a.float(), w.float(), **tol, msg=name)
 
 
+@pytest.mark.parametrize("lead,hc,dim", APPLY_SHAPES, ids=lambda c: str(c).replace(" ", ""))
+def test_hc_pre_post_backward_kernels_against_the_torch_backwards(lead, hc, dim, hc_apply_on):
+    """The fused backwards against reference.hc_pre_bwd / hc_post_bwd (autograd's maths): dh is one rounded product,
+    so the same bits; dy and dres are four-term fp32 sums rounded to bf16 (within one bf16 ulp where contraction
+    differs); dpre, dpost and dcomb are fp32 sums over dim in another order (relative to the sum of |terms|)."""
+    h, y, pre, post, comb = _apply_inputs(lead, hc, dim)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    dx = torch.randn(*lead, dim, device=DEV, generator=g).bfloat16()
+    dout = torch.randn(*lead, hc, dim, device=DEV, generator=g).bfloat16()
+    got, want = hc_apply_on._bwd_pre(h, pre, dx), reference.hc_pre_bwd(h, pre, dx)
+    assert torch.equal(got[0], want[0]), "dh"
+    scale = torch.matmul(h.float().abs(), dx.float().abs().unsqueeze(-1)).squeeze(-1)
+    assert ((got[1] - want[1]).abs() <= 1e-5 * scale + 1e-6).all(), ("dpre", (got[1] - want[1]).abs().max())
+    got, want = hc_apply_on._bwd_post(y, h, post, comb, dout), reference.hc_post_bwd(y, h, post, comb, dout)
+    for name, a, b in zip(("dy", "dres"), got[:2], want[:2]):
+        assert a.shape == b.shape and a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=2 ** -7, msg=name)
+    g32 = dout.float().abs()
+    s_post = torch.matmul(g32, y.float().abs().unsqueeze(-1)).squeeze(-1)
+    s_comb = torch.matmul(h.float().abs(), g32.transpose(-1, -2))
+    for name, a, b, sc in (("dpost", got[2], want[2], s_post), ("dcomb", got[3], want[3], s_comb)):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        assert ((a - b).abs() <= 1e-5 * sc + 1e-6).all(), (name, (a - b).abs().max())
+
+
+def test_hc_post_backward_kernel_takes_an_expanded_gradient(hc_apply_on):
+    """out.sum()'s gradient reaches the backward as an expanded (stride-0) tensor: it is made contiguous, and the
+    gradients match autograd through the torch spelling."""
+    h, y, pre, post, comb = _apply_inputs((7,), 4, 256)
+    ins = [t.clone().requires_grad_() for t in (y, h, post, comb)]
+    K.hc_post(*ins, impl="tilelang").float().sum().backward()
+    ref_ins = [t.clone().requires_grad_() for t in (y, h, post, comb)]
+    K.hc_post(*ref_ins, impl="torch").float().sum().backward()
+    for name, a, b in zip(("y", "res", "post", "comb"), ins, ref_ins):
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=1e-4, rtol=1e-2, msg=name)
+
+
+def test_hc_backward_kernels_are_first_order_and_say_so(hc_apply_on, monkeypatch):
+    """A gradient of the fused backward raises, naming the switch; with FUSED_BWD off the torch backward
+    differentiates twice."""
+    h, y, pre, post, comb = _apply_inputs((5,), 4, 128)
+    hg, pg = h.clone().requires_grad_(), pre.clone().requires_grad_()
+    (dh,) = torch.autograd.grad(K.hc_pre(hg, pg, impl="tilelang").float().square().sum(), hg, create_graph=True)
+    with pytest.raises(NotImplementedError, match="FUSED_BWD = False"):
+        torch.autograd.grad(dh.float().sum(), pg)
+    monkeypatch.setattr(hc_apply_on, "FUSED_BWD", False)
+    (dh,) = torch.autograd.grad(K.hc_pre(hg, pg, impl="tilelang").float().square().sum(), hg, create_graph=True)
+    (dp,) = torch.autograd.grad(dh.float().sum(), pg)
+    assert dp.shape == pre.shape and torch.isfinite(dp).all()
+
+
 def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover(hc_apply_on):
     """dim 100 (no 128-column tile) and fp32 streams run the torch reference under impl="auto"; "tilelang" says why."""
     h, y, pre, post, comb = _apply_inputs((3,), 4, 100)
@@ -241,14 +295,19 @@ def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover(hc_apply_on
     assert torch.equal(K.hc_pre(h32, pre, impl="auto"), K.hc_pre(h32, pre, impl="torch"))
 
 
-def test_hc_apply_kernels_are_opt_in():
-    """Off by default (hc_apply_tl.ENABLED, DSV41_HC_APPLY): impl="tilelang" says how to turn them on, "auto" runs
-    the torch spelling."""
+def test_hc_apply_kernels_on_by_default_and_the_switch(monkeypatch):
+    """On unless DSV41_HC_APPLY=torch: impl="auto" runs them; turned off, impl="tilelang" says how to turn them on
+    and "auto" runs the torch spelling; a bad value is an error naming the variable."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import hc_apply_tl
-    if hc_apply_tl.ENABLED:
-        pytest.skip("DSV41_HC_APPLY=tilelang is set in this environment")
+    if os.environ.get("DSV41_HC_APPLY") is None:
+        assert hc_apply_tl.ENABLED and hc_apply_tl.MODE == "tilelang"
     h, y, pre, post, comb = _apply_inputs((3,), 4, 128)
-    with pytest.raises(K.Unsupported, match=r"hc_pre: the fused kernel is opt-in .*DSV41_HC_APPLY=tilelang"):
+    monkeypatch.setattr(hc_apply_tl, "MODE", "torch")
+    monkeypatch.setattr(hc_apply_tl, "ENABLED", False)
+    with pytest.raises(K.Unsupported, match=r"hc_pre: the fused kernel is turned off \(DSV41_HC_APPLY=torch; unset"):
         K.hc_pre(h, pre, impl="tilelang")
     assert torch.equal(K.hc_post(y, h, post, comb, impl="auto"), K.hc_post(y, h, post, comb, impl="torch"))
+    monkeypatch.setattr(hc_apply_tl, "MODE", "triton")
+    with pytest.raises(ValueError, match="DSV41_HC_APPLY must be 'tilelang' .* got 'triton'"):
+        K.hc_pre(h, pre, impl="auto")

@@ -25,9 +25,12 @@ from ._common import Unsupported, compile_kernel
 BF16, F32 = "bfloat16", "float32"
 THREADS = 128
 STAGED = True                   # the kernels' default layout (bench --only hcapply compares both)
-# Opt-in until a GPU run has checked them (written 2026-12-06 without a device: tests/test_gpu_hc.py -k hc_pre and
-# bench --only hcapply have not run). Off, the wrappers raise Unsupported, so impl="auto" keeps the torch spelling.
-ENABLED = os.environ.get("DSV41_HC_APPLY", "torch") == "tilelang"
+FUSED_BWD = True                # the backwards as kernels; False: reference.hc_pre_bwd / hc_post_bwd (torch)
+# On by default since H100 run 130 (the reference's bits at every tested shape; 11x / 24x faster forwards at the
+# release shape). DSV41_HC_APPLY=torch turns them off: the wrappers then raise Unsupported, so impl="auto" runs the
+# torch spelling.
+MODE = os.environ.get("DSV41_HC_APPLY", "tilelang")
+ENABLED = MODE == "tilelang"
 
 
 def _cols(dim: int) -> int:
@@ -119,6 +122,165 @@ def hc_post_kernel(hc: int, dim: int, staged: bool = True):
     return compile_kernel(hc_post)
 
 
+def _block(dim: int, cap: int) -> int:
+    """Columns a backward kernel takes per step: the largest of cap, cap / 2, ..., 128 dividing ``dim``."""
+    c = cap
+    while c >= 128:
+        if dim % c == 0:
+            return c
+        c //= 2
+    raise Unsupported(f"hc_pre / hc_post backward: dim {dim} is not a multiple of 128")
+
+
+@functools.lru_cache(maxsize=None)
+def hc_pre_bwd_kernel(hc: int, dim: int):
+    """h [N, hc, dim] bf16, pre [N, hc] fp32, dx [N, dim] bf16 -> dh [N, hc, dim] bf16, dpre [N, hc] fp32:
+    dh_j = bf16(pre_j dx) (one rounded product: autograd's bits) and dpre_j = sum_d dx h_j (fp32, this kernel's
+    summation order). A CTA (128 threads) takes one token and walks its dim in CB-column steps, each a 16-byte copy
+    into shared memory; the dpre partial sums stay in registers until one reduction at the end. A plain loop, not
+    T.Pipelined: that would make a warp-specialized 256-thread CTA holding a whole SM's registers, one token an
+    SM at a time; small CTAs let several tokens' copies be in flight on an SM."""
+    N = T.dynamic("N")
+    CB = _block(dim, 512)
+
+    @T.prim_func
+    def hc_pre_bwd(H: T.Tensor([N, hc, dim], BF16), Pre: T.Tensor([N, hc], F32), DX: T.Tensor([N, dim], BF16),
+                   DH: T.Tensor([N, hc, dim], BF16), DPre: T.Tensor([N, hc], F32)):
+        with T.Kernel(N, threads=THREADS) as n:
+            ps = T.alloc_shared([hc], F32)
+            hs = T.alloc_shared([hc, CB], BF16)
+            gs = T.alloc_shared([CB], BF16)
+            dhs = T.alloc_shared([hc, CB], BF16)
+            acc = T.alloc_fragment([hc, CB], F32)
+            red = T.alloc_fragment([hc], F32)
+            T.copy(Pre[n, :], ps)
+            T.clear(acc)
+            for b in T.serial(dim // CB):
+                T.copy(H[n, :, b * CB:(b + 1) * CB], hs)
+                T.copy(DX[n, b * CB:(b + 1) * CB], gs)
+                for j, c in T.Parallel(hc, CB):
+                    dhs[j, c] = T.cast(T.ieee_mul(ps[j], T.cast(gs[c], F32)), BF16)
+                    acc[j, c] += T.cast(gs[c], F32) * T.cast(hs[j, c], F32)
+                T.copy(dhs, DH[n, :, b * CB:(b + 1) * CB])
+            T.reduce_sum(acc, red, dim=1)
+            T.copy(red, DPre[n, :])
+
+    # the reduction's workspace may share ps's shared memory: ps is written only before the loop, never after
+    return compile_kernel(hc_pre_bwd, workspace_alias_ok=True)
+
+
+@functools.lru_cache(maxsize=None)
+def hc_post_bwd_kernel(hc: int, dim: int):
+    """y [N, dim], res [N, hc, dim] bf16, post [N, hc], comb [N, hc, hc] fp32, dout [N, hc, dim] bf16 ->
+    dy [N, dim] bf16 = sum_k post_k dout_k, dres [N, hc, dim] bf16 = sum_k comb[j, k] dout_k (fp32 sums over k in
+    index order, one round), dpost [N, hc] = sum_d dout_k y and dcomb [N, hc * hc] = sum_d res_j dout_k (fp32, this
+    kernel's summation order). One token a CTA, as hc_pre_bwd_kernel; its hc + hc^2 partial sums over dim stay in
+    registers (CB 256: 40 a thread at hc 4) until two reductions at the end."""
+    N = T.dynamic("N")
+    CB = _block(dim, 256)
+
+    def over_k(w, j, gsm, c):
+        """((w(j, 0) g_0 + w(j, 1) g_1) + ...), g_k = dout[k, c] in fp32 (unrolled here, as _ordered_sum)."""
+        acc = w(j, 0) * T.cast(gsm[0, c], F32)
+        for k in range(1, hc):
+            acc = acc + w(j, k) * T.cast(gsm[k, c], F32)
+        return acc
+
+    @T.prim_func
+    def hc_post_bwd(Y: T.Tensor([N, dim], BF16), Res: T.Tensor([N, hc, dim], BF16), Post: T.Tensor([N, hc], F32),
+                    Comb: T.Tensor([N, hc, hc], F32), DOut: T.Tensor([N, hc, dim], BF16),
+                    DY: T.Tensor([N, dim], BF16), DRes: T.Tensor([N, hc, dim], BF16),
+                    DPost: T.Tensor([N, hc], F32), DComb: T.Tensor([N, hc * hc], F32)):
+        with T.Kernel(N, threads=THREADS) as n:
+            ps = T.alloc_shared([hc], F32)
+            cs = T.alloc_shared([hc, hc], F32)
+            ys = T.alloc_shared([CB], BF16)
+            rs = T.alloc_shared([hc, CB], BF16)
+            gs = T.alloc_shared([hc, CB], BF16)
+            dys = T.alloc_shared([CB], BF16)
+            drs = T.alloc_shared([hc, CB], BF16)
+            accp = T.alloc_fragment([hc, CB], F32)
+            accc = T.alloc_fragment([hc * hc, CB], F32)
+            redp = T.alloc_fragment([hc], F32)
+            redc = T.alloc_fragment([hc * hc], F32)
+            T.copy(Post[n, :], ps)
+            T.copy(Comb[n, :, :], cs)
+            T.clear(accp)
+            T.clear(accc)
+            for b in T.serial(dim // CB):
+                T.copy(Y[n, b * CB:(b + 1) * CB], ys)
+                T.copy(Res[n, :, b * CB:(b + 1) * CB], rs)
+                T.copy(DOut[n, :, b * CB:(b + 1) * CB], gs)
+                for c in T.Parallel(CB):
+                    dys[c] = T.cast(over_k(lambda j, k: ps[k], 0, gs, c), BF16)
+                for j, c in T.Parallel(hc, CB):
+                    drs[j, c] = T.cast(over_k(lambda j, k: cs[j, k], j, gs, c), BF16)
+                for k, c in T.Parallel(hc, CB):
+                    accp[k, c] += T.cast(gs[k, c], F32) * T.cast(ys[c], F32)
+                for jk, c in T.Parallel(hc * hc, CB):
+                    accc[jk, c] += T.cast(rs[jk // hc, c], F32) * T.cast(gs[jk % hc, c], F32)
+                T.copy(dys, DY[n, b * CB:(b + 1) * CB])
+                T.copy(drs, DRes[n, :, b * CB:(b + 1) * CB])
+            T.reduce_sum(accp, redp, dim=1)
+            T.sync_threads()            # the second reduction's workspace may be the first's
+            T.reduce_sum(accc, redc, dim=1)
+            T.copy(redp, DPost[n, :])
+            T.copy(redc, DComb[n, :])
+
+    # the workspaces may share the small buffers' shared memory (ps, cs), which are written only before the loop
+    return compile_kernel(hc_post_bwd, workspace_alias_ok=True)
+
+
+def _run_bwd_pre(h, pre, dx):
+    n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
+    dh, dpre = torch.empty_like(h), pre.new_empty(pre.shape, dtype=torch.float32)
+    hc_pre_bwd_kernel(int(hc), int(dim))(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
+                                         dx.reshape(n, dim).contiguous(), dh.view(n, hc, dim), dpre.view(n, hc))
+    return dh, dpre.to(pre.dtype)
+
+
+def _run_bwd_post(y, res, post, comb, dout):
+    n, hc, dim = res.shape[:-2].numel(), res.shape[-2], res.shape[-1]
+    dy, dres = torch.empty_like(y), torch.empty_like(res)
+    dpost, dcomb = post.new_empty(post.shape, dtype=torch.float32), comb.new_empty(comb.shape, dtype=torch.float32)
+    hc_post_bwd_kernel(int(hc), int(dim))(y.reshape(n, dim), res.reshape(n, hc, dim),
+                                          post.reshape(n, hc).contiguous(), comb.reshape(n, hc, hc).contiguous(),
+                                          dout.reshape(n, hc, dim).contiguous(), dy.view(n, dim),
+                                          dres.view(n, hc, dim), dpost.view(n, hc), dcomb.view(n, hc * hc))
+    return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
+
+
+def _first_order(name: str, run):
+    """``run`` as an autograd.Function of its own, so that under torch.func.grad the kernel sees plain tensors
+    (functorch unwraps an autograd.Function's forward inputs, not its backward's: hc_sinkhorn_tl._HcBwdKernel).
+    First-order only: a gradient of it raises (FUSED_BWD = False gives the torch backward, which differentiates)."""
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"{name}: the fused hc backward kernels are first-order only; set "
+                                  "functional_dsv41.kernels.tilelang.hc_apply_tl.FUSED_BWD = False for double backward")
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(run),
+                                                   "setup_context": staticmethod(lambda ctx, inputs, output: None),
+                                                   "backward": staticmethod(backward)})
+
+
+_HcPreBwd = _first_order("_HcPreBwd", _run_bwd_pre)
+_HcPostBwd = _first_order("_HcPostBwd", _run_bwd_post)
+
+
+def _bwd_pre(h, pre, dx):
+    """(dh, dpre): the kernel where it covers (bf16 dx, dim a multiple of 128), else reference.hc_pre_bwd."""
+    if not (FUSED_BWD and h.shape[:-2].numel() and dx.dtype == torch.bfloat16 and h.shape[-1] % 128 == 0):
+        return reference.hc_pre_bwd(h, pre, dx)
+    return _HcPreBwd.apply(h, pre, dx)
+
+
+def _bwd_post(y, res, post, comb, dout):
+    """(dy, dres, dpost, dcomb): the kernel where it covers (bf16 dout, dim a multiple of 128), else
+    reference.hc_post_bwd."""
+    if not (FUSED_BWD and res.shape[:-2].numel() and dout.dtype == torch.bfloat16 and res.shape[-1] % 128 == 0):
+        return reference.hc_post_bwd(y, res, post, comb, dout)
+    return _HcPostBwd.apply(y, res, post, comb, dout)
+
+
 def _launch_pre(h, pre):
     n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
     x = h.new_empty(*h.shape[:-2], dim)
@@ -151,13 +313,15 @@ def _fused(name: str, launch, bwd):
                                                    "backward": staticmethod(backward)})
 
 
-_HcPre = _fused("_HcPre", _launch_pre, reference.hc_pre_bwd)
-_HcPost = _fused("_HcPost", _launch_post, reference.hc_post_bwd)
+_HcPre = _fused("_HcPre", _launch_pre, _bwd_pre)
+_HcPost = _fused("_HcPost", _launch_post, _bwd_post)
 
 
 def _check_enabled(op: str) -> None:
+    if MODE not in ("tilelang", "torch"):
+        raise ValueError(f"DSV41_HC_APPLY must be 'tilelang' (the default) or 'torch', got {MODE!r}")
     if not ENABLED:
-        raise Unsupported(f"{op}: the fused kernel is opt-in until it has run on a GPU (DSV41_HC_APPLY=tilelang)")
+        raise Unsupported(f"{op}: the fused kernel is turned off (DSV41_HC_APPLY={MODE}; unset it to turn it on)")
 
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
