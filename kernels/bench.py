@@ -250,8 +250,10 @@ def indexer(results, args):
 
 def hc_apply(results, args):
     """hc_pre / hc_post at the release shape ([M] tokens, hc 4, dim 5120, bf16): the fused kernels against the torch
-    reference (whose hc_post builds an [M, 4, 4, 5120] fp32 temporary), forward and forward + backward. GB/s count
-    the bytes that must move: hc_pre reads h (bf16) and writes x; hc_post reads y and res and writes out."""
+    reference (whose hc_post builds an [M, 4, 4, 5120] fp32 temporary): forwards, backwards, and both forward +
+    backward with the kernel and the torch backwards. GB/s count the bytes that must move: hc_pre reads h (bf16) and
+    writes x; hc_post reads y and res and writes out; their backwards read the inputs and the gradient and write
+    the bf16 gradients."""
     from functional_dsv41.kernels.tilelang import hc_apply_tl as ha
     enabled, ha.ENABLED = ha.ENABLED, True   # (opt-in in the model until measured: this measures it)
     try:

@@ -8,10 +8,17 @@ token: its hc streams are read once (16-byte loads into shared memory when ``sta
 
 Numerics: the reference's exactly. Every product and sum is a separately rounded fp32 ``__fmul_rn`` /
 ``__fadd_rn`` (no FMA contraction), the sums over streams in index order as ``invariant.ordered_sum``, then one
-round to bf16: by construction the bits of ``reference.hc_pre`` / ``reference.hc_post`` on the GPU, which
-tests/test_gpu_hc.py asserts (not run yet: see ``ENABLED``). The backwards are torch
-(``reference.hc_pre_bwd`` / ``hc_post_bwd``: the same maths as autograd through the reference, with batched
-matmuls for the sums over dim instead of [tokens, hc, hc, dim] temporaries).
+round to bf16: the bits of ``reference.hc_pre`` / ``reference.hc_post`` on the GPU, which tests/test_gpu_hc.py
+asserts (H100 run 130: 0 differing values at every tested shape, 4096 x 4 x 5120 and 70000 tokens included).
+
+The backwards are kernels too (``hc_pre_bwd_kernel`` / ``hc_post_bwd_kernel``: one token a CTA, its sums over dim in
+registers). dh is one rounded product (autograd's bits); dy, dres are four-term fp32 sums; dpre, dpost, dcomb are
+fp32 sums over dim in this kernel's order, within 1e-5 of the sum of |terms| of ``reference.hc_pre_bwd`` /
+``hc_post_bwd`` (the torch maths, kept as the fallback and under ``FUSED_BWD = False``). They are first-order.
+
+Measured (H100 run 131, 4096 tokens, hc 4, dim 5120; BENCHMARKS.md): forwards 0.077 / 0.134 ms (2.7 / 2.8 TB/s of
+the bytes that must move) against torch's 0.86 / 3.19; backwards 0.14 / 0.24 ms against 0.90 / 2.02; both ops
+forward and backward 0.87 ms against 11.0 ms for autograd through the torch spelling.
 """
 import functools
 import os
@@ -26,8 +33,8 @@ BF16, F32 = "bfloat16", "float32"
 THREADS = 128
 STAGED = True                   # the kernels' default layout (bench --only hcapply compares both)
 FUSED_BWD = True                # the backwards as kernels; False: reference.hc_pre_bwd / hc_post_bwd (torch)
-# On by default since H100 run 130 (the reference's bits at every tested shape; 11x / 24x faster forwards at the
-# release shape). DSV41_HC_APPLY=torch turns them off: the wrappers then raise Unsupported, so impl="auto" runs the
+# On by default since H100 runs 130-131 (the reference's bits at every tested shape; forward + backward 12x faster
+# than torch at the release shape). DSV41_HC_APPLY=torch turns them off: the wrappers then raise Unsupported, so impl="auto" runs the
 # torch spelling.
 MODE = os.environ.get("DSV41_HC_APPLY", "tilelang")
 ENABLED = MODE == "tilelang"
