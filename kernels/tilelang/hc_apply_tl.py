@@ -34,8 +34,8 @@ THREADS = 128
 STAGED = True                   # the kernels' default layout (bench --only hcapply compares both)
 FUSED_BWD = True                # the backwards as kernels; False: reference.hc_pre_bwd / hc_post_bwd (torch)
 # On by default since H100 runs 130-131 (the reference's bits at every tested shape; forward + backward 12x faster
-# than torch at the release shape). DSV41_HC_APPLY=torch turns them off: the wrappers then raise Unsupported, so impl="auto" runs the
-# torch spelling.
+# than torch at the release shape). DSV41_HC_APPLY=torch turns them off: the wrappers then raise Unsupported, so
+# impl="auto" runs the torch spelling.
 MODE = os.environ.get("DSV41_HC_APPLY", "tilelang")
 ENABLED = MODE == "tilelang"
 
