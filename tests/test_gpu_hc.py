@@ -284,6 +284,18 @@ def test_hc_backward_kernels_are_first_order_and_say_so(hc_apply_on, monkeypatch
     assert dp.shape == pre.shape and torch.isfinite(dp).all()
 
 
+def test_hc_pre_post_under_vmap_run_the_torch_spelling(hc_apply_on):
+    """A launch would drop vmap's batch dimension: under torch.func.vmap impl="auto" runs the torch spelling (the
+    same bits as the kernels out of vmap) and "tilelang" says why it cannot."""
+    h, y, pre, post, comb = _apply_inputs((3, 5), 4, 256)
+    got = torch.func.vmap(lambda a, b: K.hc_pre(a, b, impl="auto"))(h, pre)
+    assert torch.equal(got, K.hc_pre(h, pre, impl="tilelang"))
+    got = torch.func.vmap(lambda *a: K.hc_post(*a, impl="auto"))(y, h, post, comb)
+    assert torch.equal(got, K.hc_post(y, h, post, comb, impl="tilelang"))
+    with pytest.raises(K.Unsupported, match="vmap"):
+        torch.func.vmap(lambda a, b: K.hc_pre(a, b, impl="tilelang"))(h, pre)
+
+
 def test_hc_pre_post_auto_falls_back_where_the_kernel_does_not_cover(hc_apply_on):
     """dim 100 (no 128-column tile) and fp32 streams run the torch reference under impl="auto"; "tilelang" says why."""
     h, y, pre, post, comb = _apply_inputs((3,), 4, 100)

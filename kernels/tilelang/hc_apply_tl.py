@@ -27,7 +27,7 @@ import torch
 import tilelang.language as T
 
 from .. import reference
-from ._common import Unsupported, compile_kernel
+from ._common import Unsupported, compile_kernel, plain
 
 BF16, F32 = "bfloat16", "float32"
 THREADS = 128
@@ -336,6 +336,8 @@ def hc_pre(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     contiguous, pre fp32 and dim a multiple of 128."""
     reference.check_hc_pre(h, pre)
     _check_enabled("hc_pre")
+    for t in (h, pre):              # under vmap: Unsupported, so impl="auto" runs the torch spelling (which vmaps)
+        plain(t)
     if h.dtype != torch.bfloat16 or pre.dtype != torch.float32 or not h.is_contiguous():
         raise Unsupported("hc_pre: the kernel takes contiguous bf16 streams and fp32 weights")
     _cols(h.shape[-1])
@@ -347,6 +349,8 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
     fp32 and dim a multiple of 128."""
     reference.check_hc_post(y, res, post, comb)
     _check_enabled("hc_post")
+    for t in (y, res, post, comb):
+        plain(t)
     if (y.dtype != torch.bfloat16 or res.dtype != torch.bfloat16 or post.dtype != torch.float32
             or comb.dtype != torch.float32 or not (y.is_contiguous() and res.is_contiguous())):
         raise Unsupported("hc_post: the kernel takes contiguous bf16 y, res and fp32 post, comb")
