@@ -40,11 +40,14 @@ MODE = os.environ.get("DSV41_HC_APPLY", "tilelang")
 ENABLED = MODE == "tilelang"
 
 
-def _cols(dim: int) -> int:
-    """Columns a CTA covers (of one token): the largest of 1024, 512, 256, 128 dividing ``dim``."""
-    for c in (1024, 512, 256, 128):
+def _cols(dim: int, cap: int = 1024) -> int:
+    """Columns a CTA covers at a time (of one token): the largest of cap, cap / 2, ..., 128 dividing ``dim``
+    (1024 for the forwards; the backwards, whose sums over dim stay in registers, cap it lower)."""
+    c = cap
+    while c >= 128:
         if dim % c == 0:
             return c
+        c //= 2
     raise Unsupported(f"hc_pre / hc_post: dim {dim} is not a multiple of 128")
 
 
@@ -129,16 +132,6 @@ def hc_post_kernel(hc: int, dim: int, staged: bool = True):
     return compile_kernel(hc_post)
 
 
-def _block(dim: int, cap: int) -> int:
-    """Columns a backward kernel takes per step: the largest of cap, cap / 2, ..., 128 dividing ``dim``."""
-    c = cap
-    while c >= 128:
-        if dim % c == 0:
-            return c
-        c //= 2
-    raise Unsupported(f"hc_pre / hc_post backward: dim {dim} is not a multiple of 128")
-
-
 @functools.lru_cache(maxsize=None)
 def hc_pre_bwd_kernel(hc: int, dim: int):
     """h [N, hc, dim] bf16, pre [N, hc] fp32, dx [N, dim] bf16 -> dh [N, hc, dim] bf16, dpre [N, hc] fp32:
@@ -148,7 +141,7 @@ def hc_pre_bwd_kernel(hc: int, dim: int):
     T.Pipelined: that would make a warp-specialized 256-thread CTA holding a whole SM's registers, one token an
     SM at a time; small CTAs let several tokens' copies be in flight on an SM."""
     N = T.dynamic("N")
-    CB = _block(dim, 512)
+    CB = _cols(dim, 512)
 
     @T.prim_func
     def hc_pre_bwd(H: T.Tensor([N, hc, dim], BF16), Pre: T.Tensor([N, hc], F32), DX: T.Tensor([N, dim], BF16),
@@ -184,7 +177,7 @@ def hc_post_bwd_kernel(hc: int, dim: int):
     kernel's summation order). One token a CTA, as hc_pre_bwd_kernel; its hc + hc^2 partial sums over dim stay in
     registers (CB 256: 40 a thread at hc 4) until two reductions at the end."""
     N = T.dynamic("N")
-    CB = _block(dim, 256)
+    CB = _cols(dim, 256)
 
     def over_k(w, j, gsm, c):
         """((w(j, 0) g_0 + w(j, 1) g_1) + ...), g_k = dout[k, c] in fp32 (unrolled here, as _ordered_sum)."""
@@ -240,21 +233,21 @@ def hc_post_bwd_kernel(hc: int, dim: int):
 
 def _run_bwd_pre(h, pre, dx):
     n, hc, dim = h.shape[:-2].numel(), h.shape[-2], h.shape[-1]
-    dh, dpre = torch.empty_like(h), pre.new_empty(pre.shape, dtype=torch.float32)
+    dh, dpre = torch.empty_like(h), torch.empty_like(pre)          # (pre is fp32: hc_pre's check)
     hc_pre_bwd_kernel(int(hc), int(dim))(h.reshape(n, hc, dim), pre.reshape(n, hc).contiguous(),
                                          dx.reshape(n, dim).contiguous(), dh.view(n, hc, dim), dpre.view(n, hc))
-    return dh, dpre.to(pre.dtype)
+    return dh, dpre
 
 
 def _run_bwd_post(y, res, post, comb, dout):
     n, hc, dim = res.shape[:-2].numel(), res.shape[-2], res.shape[-1]
     dy, dres = torch.empty_like(y), torch.empty_like(res)
-    dpost, dcomb = post.new_empty(post.shape, dtype=torch.float32), comb.new_empty(comb.shape, dtype=torch.float32)
+    dpost, dcomb = torch.empty_like(post), torch.empty_like(comb)  # (fp32: hc_post's check)
     hc_post_bwd_kernel(int(hc), int(dim))(y.reshape(n, dim), res.reshape(n, hc, dim),
                                           post.reshape(n, hc).contiguous(), comb.reshape(n, hc, hc).contiguous(),
                                           dout.reshape(n, hc, dim).contiguous(), dy.view(n, dim),
                                           dres.view(n, hc, dim), dpost.view(n, hc), dcomb.view(n, hc * hc))
-    return dy, dres, dpost.to(post.dtype), dcomb.to(comb.dtype)
+    return dy, dres, dpost, dcomb
 
 
 def _first_order(name: str, run):
@@ -274,16 +267,17 @@ _HcPostBwd = _first_order("_HcPostBwd", _run_bwd_post)
 
 
 def _bwd_pre(h, pre, dx):
-    """(dh, dpre): the kernel where it covers (bf16 dx, dim a multiple of 128), else reference.hc_pre_bwd."""
-    if not (FUSED_BWD and h.shape[:-2].numel() and dx.dtype == torch.bfloat16 and h.shape[-1] % 128 == 0):
+    """(dh, dpre): the kernel where it covers (bf16 dx, some tokens; the forward kernel already asked the rest),
+    else reference.hc_pre_bwd."""
+    if not (FUSED_BWD and h.shape[:-2].numel() and dx.dtype == torch.bfloat16):
         return reference.hc_pre_bwd(h, pre, dx)
     return _HcPreBwd.apply(h, pre, dx)
 
 
 def _bwd_post(y, res, post, comb, dout):
-    """(dy, dres, dpost, dcomb): the kernel where it covers (bf16 dout, dim a multiple of 128), else
+    """(dy, dres, dpost, dcomb): the kernel where it covers (as _bwd_pre: bf16 dout, some tokens), else
     reference.hc_post_bwd."""
-    if not (FUSED_BWD and res.shape[:-2].numel() and dout.dtype == torch.bfloat16 and res.shape[-1] % 128 == 0):
+    if not (FUSED_BWD and res.shape[:-2].numel() and dout.dtype == torch.bfloat16):
         return reference.hc_post_bwd(y, res, post, comb, dout)
     return _HcPostBwd.apply(y, res, post, comb, dout)
 
