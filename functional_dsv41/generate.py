@@ -40,6 +40,7 @@ import torch
 from .config import Config, require_config
 from .dspark import dspark_draft, dspark_prefill, probs, sample_logits
 from .model import forward
+from .pytree import tree_nbytes
 from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
 from .state import check_state_fits, device_problem, init_state, positive_int
 
@@ -415,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             params = optree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, params)
         except torch.OutOfMemoryError:
-            need = sum(x.numel() * x.element_size() for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor))
+            need = tree_nbytes(params)
             return fail(f"--device {args.device}: the checkpoint's params ({need / 2**30:.2f} GiB) do not fit in its "
                         f"memory")
     ids = tok.encode(prompt, add_special_tokens=False).ids

@@ -61,6 +61,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
+def tree_nbytes(*trees) -> int:
+    """Bytes held by the tensors of ``trees`` (any pytrees: params, flat {path: leaf} dicts, carriers); other
+    leaves count nothing."""
+    return sum(t.numel() * t.element_size() for t in torch_pytree.tree_leaves(trees) if isinstance(t, torch.Tensor))
+
+
 def _path_str(path: tuple, who: str) -> str:
     """The entries of ``path`` joined with ".". An entry that holds "." or is empty is refused: its path would
     read back as other nesting (``{"a.b": x}`` as ``{"a": {"b": x}}``), and two trees would share one path set."""

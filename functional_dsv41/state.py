@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from .config import Config, require_config, short_repr
-from .pytree import register_carrier
+from .pytree import register_carrier, tree_nbytes
 
 
 @register_carrier
@@ -246,8 +246,7 @@ def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, 
 
 def state_bytes(state: DecodeState) -> int:
     """Bytes held by a state's tensors."""
-    import torch.utils._pytree as tp
-    return sum(t.numel() * t.element_size() for t in tp.tree_leaves(state) if isinstance(t, torch.Tensor))
+    return tree_nbytes(state)
 
 
 def positive_int(who: str, name: str, v) -> int:

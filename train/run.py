@@ -61,6 +61,7 @@ import torch
 import functional_dsv41 as fd
 from functional_dsv41.config import write_atomic
 from functional_dsv41.linear import qat_format
+from functional_dsv41.pytree import tree_nbytes
 from functional_dsv41.params import train_state as ckpt_mod
 from functional_dsv41.train import data as data_mod
 from functional_dsv41.train import optim, resume, step as step_mod
@@ -175,11 +176,6 @@ def _first_sentences(e: BaseException, n: int = 2, width: int = 160) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     head = ". ".join(text.split(". ")[:n])
     return head if len(head) <= width else head[:width - 3] + "..."
-
-
-def _nbytes(*trees: dict) -> int:
-    """Bytes held by the tensors of flat {path: leaf} dicts."""
-    return sum(t.numel() * t.element_size() for tree in trees for t in tree.values() if isinstance(t, torch.Tensor))
 
 
 def _to_device(tree: dict, dev: torch.device) -> dict:
@@ -362,7 +358,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
             trainable, frozen = _to_device(trainable, dev), _to_device(frozen, dev)
             opt_state = {**opt_state, "mu": _to_device(opt_state["mu"], dev), "nu": _to_device(opt_state["nu"], dev)}
         except torch.OutOfMemoryError as e:
-            need = _nbytes(trainable, frozen, opt_state["mu"], opt_state["nu"])
+            need = tree_nbytes(trainable, frozen, opt_state["mu"], opt_state["nu"])
             raise SystemExit(f"--device {dev}: the params and optimizer state ({need / 2**30:.2f} GiB) do not fit "
                              f"({_first_sentences(e)})") from None
     mode = "qat" if rc.qat else rc.mode
@@ -437,7 +433,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     def save_checkpoint(step: int) -> bool:
         """Start the asynchronous save of ``step``; False (after the message) when it cannot be written."""
         state = {**trainable, **{k: v for k, v in frozen.items() if isinstance(v, torch.Tensor)}}
-        need = _nbytes(state, opt_state["mu"], opt_state["nu"])
+        need = tree_nbytes(state, opt_state["mu"], opt_state["nu"])
         free = shutil.disk_usage(ck.directory).free
         if free < need:   # else orbax's writer threads fail midway, with a traceback per array
             stop(f"STOPPED before the checkpoint of step {step}: it needs {need / 2**20:.1f} MiB and "
