@@ -18,9 +18,9 @@ import torch
 
 from ._bench_common import bench, positive_int, row
 from .bench_attn import (attention_bound, attention_bwd, attention_cl, attention_diag, attention_fwd, attention_nreg,
-                         attention_pp, attention_trace)
+                         attention_pp, attention_tail, attention_trace)
 from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
-                         gemm_wide, gemm_wrapper, gemms)
+                         gemm_tail, gemm_wide, gemm_wrapper, gemms)
 
 
 def ceilings(results):
@@ -323,11 +323,13 @@ SECTIONS = {
     "attnpp": attention_pp,
     "attnnreg": attention_nreg,
     "attnbound": attention_bound,
+    "attntail": attention_tail,
     "attntrace": attention_trace,
     "attncl": attention_cl,
     "attnbwd": attention_bwd,
     "gemm": gemms,
     "gemmdiag": gemm_diag,
+    "gemmtail": gemm_tail,
     "gemmprobe": gemm_probe,
     "gemmwrap": gemm_wrapper,
     "gemmsmall": gemm_small,

@@ -1,6 +1,6 @@
 """The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attnpp,
-attnnreg, attnbound, attntrace, attncl, attnbwd) and the release prefill inputs they share. Conventions: ``bench.py``'s
-docstring."""
+attnnreg, attnbound, attntail, attntrace, attncl, attnbwd) and the release prefill inputs they share. Conventions:
+``bench.py``'s docstring."""
 import json
 import statistics
 
@@ -235,6 +235,42 @@ def attention_bound(results, args):
         kf = pp.fwd_kernel_pp(a["q"].shape[2], a["q"].shape[3], ip128.shape[-1], a["scale"], **kw)
         print(f"  pp {json.dumps(kw, separators=(',', ':'))}: "
               f"{clock_under_load(lambda: kf(a['q'], a['kv'], a['sink'], ip128), seconds=2.0)}", flush=True)
+
+
+def attention_tail(results, args):
+    """The default forward's last round of queries: the persistent grid gives query n to CTA n % SMs, so M queries
+    take ceil(M / SMs) rounds of one query a CTA, and at M = 4096 on 132 SMs four CTAs run a 32nd round alone
+    (31.03 rounds of work in the time of 32). Times the default ``_fwd`` at the full rounds below M, at M, and at
+    the full rounds at or above M (4092, 4096, 4224 for the release's 4096 on 132 SMs), interleaved over
+    ``args.rounds`` rounds on the first queries of one set of release inputs. If a round of queries costs the
+    same whatever M, the time at M matches the time at the next multiple of the SM count; if the time follows the
+    queries instead, the last round is cheap (its few CTAs run alone on the chip).
+    Run 134 (H100, medians of 12): 4092 / 4096 / 4224 queries in 0.651 / 0.659 / 0.671 ms, 21.0 / 21.2 / 21.0 us
+    per 132 queries of work: the time follows the queries, so the 32nd round at 4096 costs ~1%, not 3%."""
+    import math
+    import types
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m = args.m
+    hi = math.ceil(m / sms) * sms
+    ms_list = sorted({n for n in (hi - sms, m, hi) if n > 0})
+    a = _attn_release_inputs(types.SimpleNamespace(**{**vars(args), "m": hi}))
+    q, kv, sink, idx, scale = (a[k] for k in ("q", "kv", "sink", "idx", "scale"))
+    times: dict[int, list[float]] = {n: [] for n in ms_list}
+    for rnd in range(args.rounds):
+        for n in ms_list:
+            qn, idn = q[:, :n].contiguous(), idx[:, :n].contiguous()
+            r = row(f"  default _fwd, {n} queries (round {rnd + 1})", bench(lambda: sa._fwd(qn, kv, sink, idn, scale)),
+                    a["fl"] * n / hi, a["by_f"] * n / hi)
+            results.append(r)
+            times[n].append(r["ms"])
+    print(f"  -- median over {args.rounds} rounds; {sms} SMs, a CTA a query a round", flush=True)
+    for n, ts in times.items():
+        med, rounds = statistics.median(ts), math.ceil(n / sms)
+        fl = a["fl"] * n / hi
+        results.append(row(f"  default _fwd, {n} queries (median of {len(ts)})", med, fl, a["by_f"] * n / hi,
+                           f"{rounds} rounds: {med / rounds * 1e3:.2f} us a round, "
+                           f"{med / (n / sms) * 1e3:.2f} us a {sms} queries"))
 
 
 def _pp_rounds(results, args, opts, a=None):

@@ -1,5 +1,5 @@
-"""The block-scaled GEMM sections of ``python -m functional_dsv41.kernels.bench`` (gemm, gemmdiag, gemmwrap,
-gemmsmall, fp4gemm) and the configuration lists they sweep. Conventions: ``bench.py``'s docstring."""
+"""The block-scaled GEMM sections of ``python -m functional_dsv41.kernels.bench`` (gemm, gemmdiag, gemmtail,
+gemmwrap, gemmsmall, fp4gemm) and the configuration lists they sweep. Conventions: ``bench.py``'s docstring."""
 import json
 
 import torch
@@ -81,6 +81,42 @@ def gemm_diag(results, args):
             results.append(row(name, bench(lambda: k(a, sa, b, sb)), 2 * M * N * K))
         except Exception as e:
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def gemm_tail(results, args):
+    """The default fp8 GEMM's last wave (N = K = 5120): the halves kernel runs one 128 x 192 tile a CTA and one CTA
+    an SM, so 4096 rows make 32 x 27 = 864 CTAs, 6.55 waves of 132 SMs, and the 7th wave runs 72 CTAs on 132 SMs.
+    Times the kernel at 3712 rows (783 CTAs, 5.93 waves), 4096 and 4352 (918 CTAs, 6.95 waves), interleaved over
+    ``args.rounds`` rounds: if a wave costs the same however full it is, 4096 rows take the time of 4352, and the
+    time a wave says what filling the last one (stream-K) could gain."""
+    import math
+    import statistics
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    N = K = 5120
+    rows = (3712, 4096, 4352)
+    cfg = fg.default_config(max(rows), N, K)
+    kc = dict(cfg)
+    k = fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
+    BM, BN = 64 * kc.get("consumers", 2), kc.get("BN", 192)
+    print(f"-- fp8 GEMM last wave: N={N} K={K}, {json.dumps(cfg, separators=(',', ':'))}, {sms} SMs", flush=True)
+    a, a_s = Q.act_quant(torch.randn(max(rows), K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+    b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+    sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+    times: dict[int, list[float]] = {m: [] for m in rows}
+    for rnd in range(args.rounds):
+        for m in rows:
+            am, sam = a[:m], sa[:m].contiguous()
+            r = row(f"  M={m} (round {rnd + 1})", bench(lambda: k(am, sam, b, sb)), 2 * m * N * K)
+            results.append(r)
+            times[m].append(r["ms"])
+    print(f"  -- median over {args.rounds} rounds", flush=True)
+    for m, ts in times.items():
+        med, ctas = statistics.median(ts), math.ceil(m / BM) * math.ceil(N / BN)
+        results.append(row(f"  M={m} (median of {len(ts)})", med, 2 * m * N * K, None,
+                           f"{ctas} CTAs = {ctas / sms:.2f} waves in {math.ceil(ctas / sms)}, "
+                           f"{med / math.ceil(ctas / sms) * 1e3:.1f} us a wave"))
 
 
 def gemm_wrapper(results, args):
