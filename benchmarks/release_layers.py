@@ -7,12 +7,14 @@ ratio 1 (Full). Only the routed-expert count is cut (16 of 384, ``--experts``): 
 release shapes, there are fewer of them, and the random weights fit one GPU and draw in seconds. Prints, per
 impl, ms per forward of the three blocks, tokens/s and peak memory; and the per-kernel-op time split.
 
-    python benchmarks/release_layers.py [--seq 4096] [--experts 16] [--impls torch,auto] [--repeat 3]
+    python benchmarks/release_layers.py [--seq 4096] [--experts 16] [--impls torch,auto,auto-hctorch] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import sys
 import time
 
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import functional_dsv41 as fd  # noqa: E402
+from functional_dsv41.kernels._bench_common import positive_int  # noqa: E402
 
 
 def release_layers_cfg(n_experts: int = 16, max_seq_len: int = 8192) -> fd.Config:
@@ -60,13 +63,44 @@ def op_split(params, ids, cfg, impl) -> dict[str, float]:
     return {n: sum(s.elapsed_time(e) for s, e in v) for n, v in times.items()}
 
 
+IMPLS = ("torch", "auto", "auto-hctorch")    # auto-hctorch: impl="auto" with the fused hc_pre / hc_post turned off
+
+
+@contextlib.contextmanager
+def _impl(impl):
+    """The model's ``impl`` for one of IMPLS, with the fused hc ops off inside for "auto-hctorch"."""
+    if impl != "auto-hctorch":
+        yield impl
+        return
+    from functional_dsv41.kernels.tilelang import hc_apply_tl as ha
+    enabled, ha.ENABLED = ha.ENABLED, False             # the wrappers read it at each call
+    try:
+        yield "auto"
+    finally:
+        ha.ENABLED = enabled
+
+
+def _forward(params, ids, cfg, impl):
+    """One forward of the three blocks under ``impl`` (one of IMPLS), synchronised."""
+    with _impl(impl) as model_impl, torch.no_grad():
+        fd.forward(params, {"input_ids": ids}, cfg=cfg, impl=model_impl, validate=False)
+    torch.cuda.synchronize()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--impls", default="torch,auto")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seq", type=positive_int, default=4096)
+    ap.add_argument("--experts", type=positive_int, default=16)
+    ap.add_argument("--impls", default="torch,auto",
+                    help=f"comma-separated, of {', '.join(IMPLS)} (auto-hctorch: auto with the fused hyper-connection "
+                         f"applications off, as DSV41_HC_APPLY=torch)")
+    ap.add_argument("--repeat", type=positive_int, default=3,
+                    help="timed forwards per impl, interleaved across the impls (round r times each impl once)")
     args = ap.parse_args(argv)
+    impls = args.impls.split(",")
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        ap.error(f"--impls: unknown {', '.join(map(repr, bad))}; choose from {', '.join(IMPLS)}")
     if not torch.cuda.is_available():
         raise SystemExit("release_layers.py needs a CUDA GPU")
     cfg = release_layers_cfg(args.experts, max(8192, args.seq))
@@ -75,26 +109,27 @@ def main(argv=None):
     torch.cuda.synchronize()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; release-size blocks (window, ratio 2, "
           f"ratio 1), {args.experts} routed experts, seq {args.seq}, batch 1; params drawn in "
-          f"{time.perf_counter() - t0:.1f} s")
+          f"{time.perf_counter() - t0:.1f} s; {args.repeat} timed forwards per impl, interleaved")
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), device="cuda", generator=g)
-    for impl in args.impls.split(","):
-        with torch.no_grad():
-            fd.forward(params, {"input_ids": ids}, cfg=cfg, impl=impl, validate=False)      # compile / warm up
-        torch.cuda.synchronize()
+    peak = {}
+    for impl in impls:                                  # compile / warm up; the peak of one forward
+        _forward(params, ids, cfg, impl)
         torch.cuda.reset_peak_memory_stats()
-        ms = []
-        for _ in range(args.repeat):
+        _forward(params, ids, cfg, impl)
+        peak[impl] = torch.cuda.max_memory_allocated() / 2**30
+    ms = {impl: [] for impl in impls}
+    for _ in range(args.repeat):
+        for impl in impls:
             t = time.perf_counter()
-            with torch.no_grad():
-                fd.forward(params, {"input_ids": ids}, cfg=cfg, impl=impl, validate=False)
-            torch.cuda.synchronize()
-            ms.append((time.perf_counter() - t) * 1e3)
-        best = min(ms)
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        split = op_split(params, ids, cfg, impl)
-        print(f"impl={impl:5s}: {best:8.1f} ms per forward of 3 blocks ({best / 3:7.1f} ms/block), "
-              f"{args.seq / best * 1e3:9.0f} tokens/s, peak {peak:.1f} GiB")
+            _forward(params, ids, cfg, impl)
+            ms[impl].append((time.perf_counter() - t) * 1e3)
+    for impl in impls:
+        best, med = min(ms[impl]), statistics.median(ms[impl])
+        print(f"impl={impl:12s}: {best:8.1f} ms per forward of 3 blocks, best of {args.repeat} (median {med:.1f}; "
+              f"{best / 3:7.1f} ms/block), {args.seq / best * 1e3:9.0f} tokens/s, peak {peak[impl]:.1f} GiB")
+        with _impl(impl) as model_impl:
+            split = op_split(params, ids, cfg, model_impl)
         print("   ops (ms): " + ", ".join(f"{n} {v:.1f}" for n, v in sorted(split.items(), key=lambda x: -x[1])))
 
 

@@ -50,6 +50,8 @@ BAD = [
     ("benchmarks/engram_lookup.py", ["--dir", NOTHERE], 2, "--dir"),
     ("benchmarks/train_throughput.py", ["--steps", "0"], 2, "--steps"),
     ("benchmarks/train_throughput.py", ["--mode", "bogus"], 2, "--mode"),
+    ("benchmarks/release_layers.py", ["--impls", "auto,bogus"], 2, "bogus"),
+    ("benchmarks/release_layers.py", ["--repeat", "0"], 2, "--repeat"),
     ("-m functional_dsv41.kernels.bench", ["--m", "0"], 2, "--m"),
     ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
     ("-m functional_dsv41.kernels.bench", ["--rounds", "0"], 2, "--rounds"),
