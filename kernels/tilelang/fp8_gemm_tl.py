@@ -39,7 +39,9 @@ rate, so the 32-wide blocks make FFMA issue as scarce as tensor time. Run 47 (``
 measured why the two do not overlap: an independent FFMA stream in one warpgroup beside a WGMMA stream in another
 takes 96-99% of the sum of their times alone, so the GEMM's time is its WGMMA time PLUS M*N*K/1024 warp FFMAs
 (112 us at 4096x5120x5120): ~675 TFLOP/s with our plain part's 1042, ~744 with cuBLAS's 1212; 900 would need the
-plain part at ~1690 on real data. Next step: stream-K for the 6.55-wave tail (~6%). Small M (decode, short
+plain part at ~1690 on real data. The 6.55-wave grid's part-filled 7th wave costs only 1.4-2.4% (run 135,
+``bench --only gemmtail``: its CTAs run faster with the chip half idle), so stream-K would add ~2%; a faster
+plain part (cuBLAS's 1212 against our 1042) is what is left below the ~744 bound. Small M (decode, short
 prefill): ``default_config`` picks a 64-row loop whose grid fits one wave (run 27: 23-32 us against the
 ping-pong's 52-58 up to M = 128).
 """
