@@ -48,7 +48,8 @@ FlashAttention-4's threshold (``lazy``, not the release's bits) measured 2-5% on
 94, 99, 111-112: 544-551). Nor is the handoff mechanism: named barriers in place of the consumers' four P mbarriers
 gave the same time (run 100, the code in 5c65f1a); nor the QKs' shared-memory reads (Q's first 128 columns in
 registers, run 103, the code in 70a2597); nor the wait for a whole stage half before a QK starts (a ready barrier a
-column quarter, runs 55 and 110).
+column quarter, runs 55 and 110); nor the persistent grid's 32nd round at 4096 queries (4 of 132 CTAs): it costs
+1-2%, not a round's 3%, as its CTAs run with the chip to themselves (run 134, ``bench --only attntail``).
 
 Persistent grid (``ctas``, runs 68-72; the default through ``sparse_attn_tl._fwd`` where there are more queries
 than SMs): a query's start (~4000 cycles to the first QK) and end (~3200 after the last P V) overlap its
