@@ -20,6 +20,25 @@ def row(name, ms, flops=None, nbytes=None, note=""):
             "gbps": nbytes / ms / 1e6 if nbytes else None, "note": note}
 
 
+def interleaved_rounds(results, rounds, variants):
+    """Time each of ``variants`` (name, fn, flops, nbytes, note) once a round over ``rounds`` rounds, in order, so
+    that clock drift falls on all of them alike; a row per round, then a row per variant with its median and
+    ``note(median_ms)``'s text (``note`` may be None). Returns {name: median ms}."""
+    import statistics
+    times: dict[str, list[float]] = {v[0]: [] for v in variants}
+    for rnd in range(rounds):
+        for name, fn, flops, nbytes, _ in variants:
+            r = row(f"  {name} (round {rnd + 1})", bench(fn), flops, nbytes)
+            results.append(r)
+            times[name].append(r["ms"])
+    print(f"  -- median over {rounds} rounds", flush=True)
+    medians = {}
+    for name, _, flops, nbytes, note in variants:
+        medians[name] = med = statistics.median(times[name])
+        results.append(row(f"  {name} (median of {rounds})", med, flops, nbytes, note(med) if note else ""))
+    return medians
+
+
 def positive_int(s: str) -> int:
     """argparse type: an integer >= 1."""
     try:

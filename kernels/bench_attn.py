@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from ._bench_common import bench, clock_under_load, row
+from ._bench_common import bench, clock_under_load, interleaved_rounds, row
 
 
 def _attn_release_inputs(args):
@@ -252,26 +252,18 @@ def attention_tail(results, args):
     import types
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    m = args.m
-    hi = math.ceil(m / sms) * sms
-    ms_list = sorted({n for n in (hi - sms, m, hi) if n > 0})
+    hi = math.ceil(args.m / sms) * sms
     a = _attn_release_inputs(types.SimpleNamespace(**{**vars(args), "m": hi}))
     q, kv, sink, idx, scale = (a[k] for k in ("q", "kv", "sink", "idx", "scale"))
-    times: dict[int, list[float]] = {n: [] for n in ms_list}
-    for rnd in range(args.rounds):
-        for n in ms_list:
-            qn, idn = q[:, :n].contiguous(), idx[:, :n].contiguous()
-            r = row(f"  default _fwd, {n} queries (round {rnd + 1})", bench(lambda: sa._fwd(qn, kv, sink, idn, scale)),
-                    a["fl"] * n / hi, a["by_f"] * n / hi)
-            results.append(r)
-            times[n].append(r["ms"])
-    print(f"  -- median over {args.rounds} rounds; {sms} SMs, a CTA a query a round", flush=True)
-    for n, ts in times.items():
-        med, rounds = statistics.median(ts), math.ceil(n / sms)
-        fl = a["fl"] * n / hi
-        results.append(row(f"  default _fwd, {n} queries (median of {len(ts)})", med, fl, a["by_f"] * n / hi,
-                           f"{rounds} rounds: {med / rounds * 1e3:.2f} us a round, "
-                           f"{med / (n / sms) * 1e3:.2f} us a {sms} queries"))
+    print(f"  {sms} SMs, a CTA a query a round", flush=True)
+    variants = []
+    for n in sorted({n for n in (hi - sms, args.m, hi) if n > 0}):
+        qn, idn, rounds = q[:, :n].contiguous(), idx[:, :n].contiguous(), math.ceil(n / sms)
+        variants.append((f"default _fwd, {n} queries", lambda qn=qn, idn=idn: sa._fwd(qn, kv, sink, idn, scale),
+                         a["fl"] * n / hi, a["by_f"] * n / hi,
+                         lambda med, n=n, rounds=rounds: f"{rounds} rounds: {med / rounds * 1e3:.2f} us a round, "
+                                                         f"{med / (n / sms) * 1e3:.2f} us a {sms} queries"))
+    interleaved_rounds(results, args.rounds, variants)
 
 
 def _pp_rounds(results, args, opts, a=None):

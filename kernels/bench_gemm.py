@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from ._bench_common import bench, clock_under_load, row
+from ._bench_common import bench, clock_under_load, interleaved_rounds, row
 
 
 # fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
@@ -95,39 +95,31 @@ def gemm_tail(results, args):
     kernel at BN = 128 (GEMM_TAIL_ALTS) at 4096 rows: 1280 CTAs, 9.70 waves in 10, narrower tiles for a fuller
     last wave."""
     import math
-    import statistics
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     N = K = 5120
     rows = (3712, 4096, 4352)
-    cfg = fg.default_config(max(rows), N, K)
-    kc = dict(cfg)
-    k = fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
-    BM, BN = 64 * kc.get("consumers", 2), kc.get("BN", 192)
-    print(f"-- fp8 GEMM last wave: N={N} K={K}, {json.dumps(cfg, separators=(',', ':'))}, {sms} SMs", flush=True)
+    default = fg.default_config(max(rows), N, K)
+    print(f"-- fp8 GEMM last wave: N={N} K={K}, default {json.dumps(default, separators=(',', ':'))}, {sms} SMs",
+          flush=True)
     a, a_s = Q.act_quant(torch.randn(max(rows), K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
     b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
     sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
-    runs = [(f"M={m}", k, m, BM, BN) for m in rows]
-    for alt in GEMM_TAIL_ALTS:
-        kc = dict(alt)
-        ka = fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
-        runs.append((f"M=4096 {json.dumps(alt, separators=(',', ':'))}", ka, 4096, 64 * kc.get("consumers", 2),
-                     kc.get("BN", 192)))
-    times: dict[str, list[float]] = {r[0]: [] for r in runs}
-    for rnd in range(args.rounds):
-        for name, kf, m, _, _ in runs:
-            am, sam = a[:m], sa[:m].contiguous()
-            r = row(f"  {name} (round {rnd + 1})", bench(lambda: kf(am, sam, b, sb)), 2 * m * N * K)
-            results.append(r)
-            times[name].append(r["ms"])
-    print(f"  -- median over {args.rounds} rounds", flush=True)
-    for name, _, m, bm, bn in runs:
-        med, ctas = statistics.median(times[name]), math.ceil(m / bm) * math.ceil(N / bn)
-        results.append(row(f"  {name} (median of {args.rounds})", med, 2 * m * N * K, None,
-                           f"{ctas} CTAs = {ctas / sms:.2f} waves in {math.ceil(ctas / sms)}, "
-                           f"{med / math.ceil(ctas / sms) * 1e3:.1f} us a wave"))
+    variants = []
+    for cfg, ms, label in [(default, rows, ""), *((alt, (4096,), " " + json.dumps(alt, separators=(",", ":")))
+                                                  for alt in GEMM_TAIL_ALTS)]:
+        kc = dict(cfg)
+        kf = fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
+        BM, BN = 64 * kc.get("consumers", 2), kc.get("BN", 192)    # the halves kernel's defaults where unset
+        for m in ms:
+            ctas = math.ceil(m / BM) * math.ceil(N / BN)
+            waves = math.ceil(ctas / sms)
+            variants.append((f"M={m}{label}", lambda kf=kf, am=a[:m], sam=sa[:m].contiguous(): kf(am, sam, b, sb),
+                             2 * m * N * K, None,
+                             lambda med, ctas=ctas, waves=waves: f"{ctas} CTAs = {ctas / sms:.2f} waves in {waves}, "
+                                                                 f"{med / waves * 1e3:.1f} us a wave"))
+    interleaved_rounds(results, args.rounds, variants)
 
 
 def gemm_wrapper(results, args):

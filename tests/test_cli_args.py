@@ -117,6 +117,30 @@ def test_kernels_bench_failed_section_exits_1(monkeypatch, capsys, tmp_path):
     bench.main(["--only", "ok"])            # no failure: returns normally (exit 0)
 
 
+def test_interleaved_rounds_order_and_medians(monkeypatch, capsys):
+    """The bench's interleaved rounds: every variant once a round, in order; then a median row each, whose note
+    gets that median."""
+    from functional_dsv41.kernels import _bench_common as bc
+    calls, fake = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+    monkeypatch.setattr(bc, "bench", lambda fn: fn())
+
+    def timed(name):
+        def fn():
+            calls.append(name)
+            return next(fake[name])
+        return fn
+    results = []
+    med = bc.interleaved_rounds(results, 3, [("a", timed("a"), 2e9, None, lambda m: f"a med {m}"),
+                                             ("b", timed("b"), None, 1e6, None)])
+    assert calls == ["a", "b"] * 3
+    assert med == {"a": 2.0, "b": 5.0}
+    assert [r["name"] for r in results] == [f"  {n} (round {i})" for i in (1, 2, 3) for n in "ab"] + \
+        ["  a (median of 3)", "  b (median of 3)"]
+    assert results[-2]["note"] == "a med 2.0" and results[-2]["tflops"] == pytest.approx(1.0)
+    assert results[-1]["note"] == "" and results[-1]["gbps"] == pytest.approx(0.2)
+    assert "median over 3 rounds" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available(),
                     reason="with a GPU ncu_one would profile: the no-GPU message is what is checked here")
 def test_ncu_one_without_gpu():
