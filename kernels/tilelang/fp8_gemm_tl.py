@@ -41,7 +41,10 @@ takes 96-99% of the sum of their times alone, so the GEMM's time is its WGMMA ti
 (112 us at 4096x5120x5120): ~675 TFLOP/s with our plain part's 1042, ~744 with cuBLAS's 1212; 900 would need the
 plain part at ~1690 on real data. The 6.55-wave grid's part-filled 7th wave costs only 1.4-2.4% (run 135,
 ``bench --only gemmtail``: its CTAs run faster with the chip half idle), so stream-K would add ~2%; a faster
-plain part (cuBLAS's 1212 against our 1042) is what is left below the ~744 bound. Small M (decode, short
+plain part (cuBLAS's 1212 against our 1042) is what is left below the ~744 bound. Past Hopper: the release's
+blocks are the MX format (32 elements along K, e8m0 scales; a 32x32 weight block is 32 rows of such blocks), which
+Blackwell's block-scaled MMA (tcgen05, kind::mxf8f6f4) applies inside the tensor core, with its accumulators in
+tensor memory, so there the promotion and its FFMAs disappear. Small M (decode, short
 prefill): ``default_config`` picks a 64-row loop whose grid fits one wave (run 27: 23-32 us against the
 ping-pong's 52-58 up to M = 128).
 """
