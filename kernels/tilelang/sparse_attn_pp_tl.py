@@ -90,7 +90,8 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
-                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False):
+                  ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
+                  q_tma: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -141,6 +142,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     after takes most of it back. On the default path (sparse_attn_tl.FWD_PP_BOUNDARY) since run 92 passed its
     tests with them (H100: +1-4% on average over three rounds, the same bits).
 
+    ``q_tma`` (persistent only): the producer loads each query's Q [64, D] (64 KB, from HBM) with one TMA load, its
+    bytes expected on ``bar_q``, instead of 4096 16-byte cp.asyncs spread over its threads. Why: the next query's first
+    gathers are issued right behind that Q load, so with cp.async they queue behind its reads, and each thread's
+    cp.async arrival on a stage's ready barrier also waits for all its earlier copies, Q's included; the traces put
+    the next query's first QK ~3000 cycles after consumer 0's O is in shared memory. The same bits.
+
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
@@ -167,6 +174,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
     if late_s0 and not ctas:
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
+    if q_tma and not ctas:
+        raise ValueError("fwd_kernel_pp: q_tma needs the persistent grid (ctas > 0)")
     if o_in_p and not (late_s0 and BI == 64):
         raise ValueError("fwd_kernel_pp: o_in_p needs late_s0 (and BI = 64: a P buffer holds 64 x 64 of O)")
     if not 0 <= lazy <= 16:
@@ -174,6 +183,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
+    QT = bool(q_tma)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
@@ -279,12 +289,22 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                                T.access_ptr(Idx[bi, mi, (r * 128 + tp) * 4], "r", 4), 4)
 
     @T.macro
-    def load_q(tp, bi, mi, q_s, Q):
-        """Query (bi, mi)'s Q [H, D] into q_s (8 threads a row, 16 rows a pass)."""
-        for r in T.unroll(H // 16):
-            for u in T.unroll(D // 64):
-                T.ptx_cp_async(T.access_ptr(q_s[0, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
-                               T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
+    def load_q(tp, bi, mi, q_s, Q, bar_q):
+        """Query (bi, mi)'s Q [H, D] into q_s, then the producer's arrival on ``bar_q``: 16-byte cp.asyncs (8 threads a
+        row, 16 rows a pass), or (``q_tma``) one TMA load issued by one producer thread, its bytes expected on bar_q,
+        so that the next gathers' cp.asyncs neither queue behind Q's 4096 reads from HBM nor wait for them in their
+        own completion arrivals (a thread's cp.async arrival covers all its earlier copies). Either way each producer
+        thread's arrival is its cp.async arrival, so bar_q also says the query's index row (copied before) has landed:
+        the consumers seed their QKs from it after waiting on bar_q."""
+        if QT:
+            T.tma_copy(Q[bi, mi, :, :], q_s[0, :, :], barrier=bar_q, leader_scope_threads=128)
+            T.cp_async_barrier_noinc(bar_q)
+        else:
+            for r in T.unroll(H // 16):
+                for u in T.unroll(D // 64):
+                    T.ptx_cp_async(T.access_ptr(q_s[0, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
+                                   T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
+            T.cp_async_barrier_noinc(bar_q)
 
     @T.macro
     def seed(j, acc_s, idx_s, ib):
@@ -580,8 +600,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             if NQ > 0:                                   # (the grid may outnumber the queries)
                 load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
                 T.cp_async_barrier_noinc(bar_i)
-                load_q(tp, cta // M, cta % M, q_s, Q)
-                T.cp_async_barrier_noinc(bar_q)
+                load_q(tp, cta // M, cta % M, q_s, Q, bar_q)
             for k in T.serial(NQ):
                 n = cta + k * ctas
                 # n // M is a floor division by a runtime M (a 64-bit and a 32-bit one in the generated code);
@@ -594,12 +613,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
                     T.cp_async_barrier_noinc(bar_i)
                     T.barrier_wait(q_free, k % 2)
-                    load_q(tp, (n + ctas) // M, (n + ctas) % M, q_s, Q)
-                    T.cp_async_barrier_noinc(bar_q)
+                    load_q(tp, (n + ctas) // M, (n + ctas) % M, q_s, Q, bar_q)
         else:
             load_row(tp, bi, mi, 0, idx_s, Idx)
-            load_q(tp, bi, mi, q_s, Q)
-            T.cp_async_barrier_noinc(bar_q)
+            load_q(tp, bi, mi, q_s, Q, bar_q)             # (cp.async: bar_q covers the index row too)
             T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
             query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi)
         if diag == "nolatency":                          # no copy may land after the CTA has exited
@@ -670,7 +687,7 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0"}
+    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "q_tma"}
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
