@@ -146,7 +146,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     bytes expected on ``bar_q``, instead of 4096 16-byte cp.asyncs spread over its threads. Why: the next query's first
     gathers are issued right behind that Q load, so with cp.async they queue behind its reads, and each thread's
     cp.async arrival on a stage's ready barrier also waits for all its earlier copies, Q's included; the traces put
-    the next query's first QK ~3000 cycles after consumer 0's O is in shared memory. The same bits.
+    the next query's first QK ~3000 cycles after consumer 0's O is in shared memory. The same bits by construction
+    (the same Q lands in the same layout). Not yet run on a GPU: it compiles (ptxas), and the bench row
+    (``PP_ROUND_OPTS``), a trace and its bits test (``test_sparse_attn_fwd_pp_persistent[...-q_tma]``) are prepared
+    (BENCHMARKS.md, "After run 138"); off everywhere until they have run.
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
