@@ -107,12 +107,12 @@ def gemm_tail(results, args):
     b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
     sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
     variants = []
-    for cfg, ms, label in [(default, rows, ""), *((alt, (4096,), " " + json.dumps(alt, separators=(",", ":")))
-                                                  for alt in GEMM_TAIL_ALTS)]:
+    for cfg, m_rows, label in [(default, rows, ""), *((alt, (4096,), " " + json.dumps(alt, separators=(",", ":")))
+                                                      for alt in GEMM_TAIL_ALTS)]:
         kc = dict(cfg)
         kf = fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
         BM, BN = 64 * kc.get("consumers", 2), kc.get("BN", 192)    # the halves kernel's defaults where unset
-        for m in ms:
+        for m in m_rows:
             ctas = math.ceil(m / BM) * math.ceil(N / BN)
             waves = math.ceil(ctas / sms)
             variants.append((f"M={m}{label}", lambda kf=kf, am=a[:m], sam=sa[:m].contiguous(): kf(am, sam, b, sb),

@@ -74,6 +74,7 @@ the gap between "nolatency" and "compute" as the gathers' traffic; run 109's pro
 cycles and WGMMA wavefronts, the extra time in ready waits), as run 74's micro-benchmark had: it is time on the chain.
 """
 import functools
+import inspect
 
 import tilelang.language as T
 
@@ -301,13 +302,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         the consumers seed their QKs from it after waiting on bar_q."""
         if QT:
             T.tma_copy(Q[bi, mi, :, :], q_s[0, :, :], barrier=bar_q, leader_scope_threads=128)
-            T.cp_async_barrier_noinc(bar_q)
         else:
             for r in T.unroll(H // 16):
                 for u in T.unroll(D // 64):
                     T.ptx_cp_async(T.access_ptr(q_s[0, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "w", 8),
                                    T.access_ptr(Q[bi, mi, r * 16 + tp // 8, u * 64 + (tp % 8) * 8], "r", 8), 8)
-            T.cp_async_barrier_noinc(bar_q)
+        T.cp_async_barrier_noinc(bar_q)
 
     @T.macro
     def seed(j, acc_s, idx_s, ib):
@@ -690,8 +690,14 @@ def pp_fits(H: int, D: int, TP: int, BI: int = 64, ctas: int = 0, o_in_p: bool =
     stages, P and the index row (two when persistent, ``ctas`` > 0; ``o_in_p``'s piece of O) within the shared
     memory. ``kernel_opts``: fwd_kernel_pp's other keywords, which take no shared memory, so that a caller can pass
     the option dict it builds the kernel with (``pp_fits(H, D, TP, **kw)``); any other name is refused."""
-    unknown = set(kernel_opts) - {"nreg", "diag", "lazy", "late_s0", "q_tma"}
+    unknown = set(kernel_opts) - _PP_NO_SMEM_OPTS
     if unknown:
         raise TypeError(f"pp_fits: {sorted(unknown)} are not fwd_kernel_pp options")
     return (H == 64 and D % 128 == 0 and D <= 512 and TP % (2 * BI) == 0
             and _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) <= 227 * 1024 - 2048)
+
+
+# fwd_kernel_pp's options (its keywords with defaults) that pp_fits does not take itself, none of which takes shared
+# memory: derived from the signature, so that a new kernel option needs no second list kept in step here
+_PP_NO_SMEM_OPTS = ({n for n, p in inspect.signature(fwd_kernel_pp.__wrapped__).parameters.items()
+                     if p.default is not inspect.Parameter.empty} - set(inspect.signature(pp_fits).parameters))
