@@ -18,7 +18,7 @@ import torch
 
 from ._bench_common import bench, positive_int, row
 from .bench_attn import (attention_bound, attention_bwd, attention_cl, attention_diag, attention_fwd, attention_nreg,
-                         attention_pp, attention_tail, attention_trace)
+                         attention_pp, attention_tail, attention_trace, attention_trace_boundary)
 from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
                          gemm_tail, gemm_wide, gemm_wrapper, gemms)
 
@@ -325,6 +325,7 @@ SECTIONS = {
     "attnbound": attention_bound,
     "attntail": attention_tail,
     "attntrace": attention_trace,
+    "attntraceb": attention_trace_boundary,
     "attncl": attention_cl,
     "attnbwd": attention_bwd,
     "gemm": gemms,

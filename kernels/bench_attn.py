@@ -1,6 +1,6 @@
 """The sparse-attention sections of ``python -m functional_dsv41.kernels.bench`` (attnfwd, attndiag, attnpp,
-attnnreg, attnbound, attntail, attntrace, attncl, attnbwd) and the release prefill inputs they share. Conventions:
-``bench.py``'s docstring."""
+attnnreg, attnbound, attntail, attntrace, attntraceb, attncl, attnbwd) and the release prefill inputs they share.
+Conventions: ``bench.py``'s docstring."""
 import json
 import statistics
 
@@ -360,6 +360,45 @@ def _trace_one(results, q, kv, sink, ip, scale, fl, by_f, kw):
           f"in shared memory {med[e + 6]:.0f}; epilogue done {med[62]:.0f} / {med[63]:.0f}; "
           f"CTA total p10/p50/p90 {st[:, 63].quantile(0.1).item():.0f} / {med[63]:.0f} / "
           f"{st[:, 63].quantile(0.9).item():.0f}", flush=True)
+
+
+def attention_trace_boundary(results, args):
+    """The default path's persistent pp kernel (ctas = 132 with FWD_PP_BOUNDARY's options) at a query boundary
+    (``diag="traceb"``, the stamps in ``sparse_attn_pp_tl.BOUNDARY_STAMPS``): when each role got through each wait
+    between query k's last P V and query k + 1's first pair, in cycles from consumer 0's epilogue end of query k
+    (medians over the CTAs' queries after their first two)."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    a = _attn_release_inputs(args)
+    q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
+    ip = sa._pad_idx(idx, 128)
+    H, D, TP = q.shape[2], q.shape[3], ip.shape[-1]
+    G = 132
+    kw = dict(ctas=G, **sa.FWD_PP_BOUNDARY)
+    kt = pp.fwd_kernel_pp(H, D, TP, scale, diag="traceb", **kw)
+    name = f"  pp {json.dumps(kw, separators=(',', ':'))} diag=traceb"
+    results.append(row(name, bench(lambda: kt(q, kv, sink, ip)), fl, by_f))
+    st = kt(q, kv, sink, ip)[1][0].double()            # [M, 64] cycles since the CTA's start
+    e = st[:-G, 62:63]                                  # row k's own C0 epilogue end: the boundary k -> k + 1
+    end = st[G:-G] - e[G:]                              # row k's end stamps, from its own boundary (<= 0 mostly)
+    start = st[2 * G:] - e[G:]                          # row k + 1's start stamps, from the same boundary
+    med = lambda x: x.median().item()                   # noqa: E731
+    NP = TP // 128
+    print(f"  pp query boundary, cycles from consumer 0's epilogue end of query k (median of {end.shape[0]} "
+          f"boundaries; a query {med(st[G:, 62] - st[:-G, 62]):.0f})")
+    rows = [(med(end[:, 12 * (NP - 1) + 4]), "C0", "last pair: P1 in (k)"),
+            (med(end[:, 60]), "C0", "last P V done (k)"), (med(end[:, 61]), "C1", "last P V done (k)"),
+            (med(end[:, 12 * (NP - 1) + 5]), "C0", "epilogue: O normalised (k)"),
+            (med(end[:, 12 * (NP - 1) + 6]), "C0", "epilogue: O in shared memory (k)"),
+            (med(end[:, 63]), "C1", "epilogue done (k)"),
+            (med(start[:, 2]), "C0", "pair 0: S0 done (k + 1)"), (med(start[:, 7]), "C1", "pair 0: through stage "
+                                                                                            "1 right (k + 1)"),
+            (med(start[:, 8]), "C1", "pair 0: S1 done (k + 1)")]
+    for j, who, what, frame in pp.BOUNDARY_STAMPS:
+        x = end if frame == "end" else start
+        rows.append((med(x[:, 12 + j]), who, what + (" (k)" if frame == "end" else " (k + 1)")))
+    for t, who, what in sorted(rows):
+        print(f"  {t:9.0f}  {who:>4s}  {what}", flush=True)
 
 
 def attention_bwd(results, args):

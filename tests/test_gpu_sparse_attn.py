@@ -446,6 +446,39 @@ def test_sparse_attn_fwd_pp_trace(ctas):
         assert (seq[:, 0] > 0).all() and (seq[:, 1:] > seq[:, :-1]).all(), order
 
 
+def test_sparse_attn_fwd_pp_traceb():
+    """diag="traceb" (the bench's attntraceb): the default path's persistent kernel gives the same O as without the
+    stamps, and every query-boundary stamp (BOUNDARY_STAMPS) sits where its role's program order puts it."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
+    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
+    B, M, H, D, N, T, G = 1, 12, 64, 512, 700, 640, 3
+    q, kv, sink, idx = _attn_inputs(B, M, H, D, N, T, seed=16)
+    scale = D ** -0.5
+    kw = dict(ctas=G, **sa.FWD_PP_BOUNDARY)
+    o, _ = fwd_kernel_pp(H, D, T, scale, **kw)(q, kv, sink.float(), idx)
+    ot, st = fwd_kernel_pp(H, D, T, scale, diag="traceb", **kw)(q, kv, sink.float(), idx)
+    assert torch.equal(ot, o)
+    st = st[0].double()                                # [M, 64] cycles since each CTA's start
+    b = lambda j: 12 + j                               # noqa: E731  (a boundary stamp's slot)
+    e = 12 * (T // 128 - 1)                            # the last pair's slots
+    orders = [                                         # each role's program order within a query's row
+        [e + 4, 60, e + 5, e + 6, b(0), b(1), b(2), b(3), b(4), 62],     # C0, end of the query
+        [61, b(5), b(6), 63],                                            # C1, end of the query
+        [b(7), b(8), 7, 8],                                              # C1, start of the query
+        [2, 3],                                                          # C0, start of the query
+        [b(12), b(13), b(14), b(15), b(16), b(17), b(10), b(11)],        # the producer
+    ]
+    rows = st[G:M - G]                                 # the queries with a previous and a next one in their CTA
+    for order in orders:
+        seq = rows[:, order]
+        assert (seq[:, 0] > 0).all() and (seq[:, 1:] > seq[:, :-1]).all(), order
+    assert (rows[:, b(9)] > rows[:, 2]).all() and (rows[:, b(9)] < rows[:, 3]).all()   # C0's P0 waits the old O
+    assert (st[G:, 2] > st[:-G, b(4)]).all() and (st[G:, 2] > st[:-G, 62]).all()   # S0: issued in row k, done
+    assert (st[G:, b(7)] > st[:-G, 63]).all()         # C1's next query after its epilogue
+    assert (st[G:, b(12)] > st[:-G, b(11)]).all()     # the next query's index row after its Q's load was issued
+
+
 @pytest.mark.parametrize("ctas", [0, 7])
 def test_sparse_attn_fwd_pp_diag_ablations(ctas):
     """The bench's ablations of the pp forward (attnbound, attndiag) run to the end, one CTA a query and persistent
@@ -480,6 +513,10 @@ def test_sparse_attn_fwd_pp_option_errors():
         pp.fwd_kernel_pp(64, 512, 640, 0.1, diag="bogus")
     with pytest.raises(ValueError, match="trace"):
         pp.fwd_kernel_pp(64, 512, 1280, 0.1, diag="trace")
+    with pytest.raises(ValueError, match="traceb"):
+        pp.fwd_kernel_pp(64, 512, 640, 0.1, diag="traceb", ctas=4, late_s0=True)     # without o_in_p
+    with pytest.raises(ValueError, match="traceb"):
+        pp.fwd_kernel_pp(64, 512, 384, 0.1, diag="traceb", ctas=4, late_s0=True, o_in_p=True)
     with pytest.raises(ValueError, match="ctas"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, ctas=-1)
     with pytest.raises(ValueError, match="lazy"):

@@ -81,6 +81,29 @@ import tilelang.language as T
 from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32
 
+# diag="traceb": the query-boundary stamps, slot 12 + j of a query's row: (j, who, what, frame). "end": at the end of
+# the row's own query (the producer's: its load of the next Q); "start": at the start of the row's query
+BOUNDARY_STAMPS = (
+    (0, "C0", "epilogue: stage 1's O piece read (tma_store_wait)", "end"),
+    (1, "C0", "epilogue: O's other pieces' stores issued", "end"),
+    (2, "C0", "next S0: next Q landed (bar_q)", "end"),
+    (3, "C0", "next S0: stage 0 left landed (ready)", "end"),
+    (4, "C0", "next S0: stage 0 right landed (ready)", "end"),
+    (5, "C1", "epilogue: O_R in stage 1, store to issue", "end"),
+    (6, "C1", "epilogue: O_R read from stage 1 (tma_store_wait)", "end"),
+    (7, "C1", "Q landed (bar_q)", "start"),
+    (8, "C1", "pair 0: stage 1 left landed (ready)", "start"),
+    (9, "C0", "pair 0: previous O's P-piece stores read", "start"),
+    (10, "prod", "next Q: both consumers past the last QK (q_free)", "end"),
+    (11, "prod", "next Q's load issued", "end"),
+    (12, "prod", "the query's index row landed (bar_i)", "start"),
+    (13, "prod", "pair 0: stage 0 left free, gather starts", "start"),
+    (14, "prod", "pair 0: stage 0 right free, gather starts", "start"),
+    (15, "prod", "pair 0: stage 1 left free, gather starts", "start"),
+    (16, "prod", "pair 0: stage 1 right free, gather starts", "start"),
+    (17, "prod", "pair 0: all its gathers issued", "start"),
+)
+
 
 def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = False) -> int:
     """fwd_kernel_pp's shared memory in bytes: Q, two KV stages, P of both blocks of a pair, the index row(s)
@@ -161,7 +184,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     "nosoftmax" = no row maxima or exponentials (P = S);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
     into the LSE row instead of the LSE, 12 a pair (TP <= 640) and 4 at the end (persistent: into each query's row,
-    still from the CTA's start); ``kernels.bench --only attntrace`` prints their medians as a timeline.
+    still from the CTA's start); ``kernels.bench --only attntrace`` prints their medians as a timeline;
+    "traceb" (late_s0 + o_in_p, TP 512-640) = "trace" with pairs 1-2's slots holding the query boundary's stamps
+    instead, the producer's included (``BOUNDARY_STAMPS``; ``kernels.bench --only attntraceb``).
     """
     B, M, N = T.dynamic("B"), T.dynamic("M"), T.dynamic("N")
     if H != 64:
@@ -173,7 +198,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
-    if diag not in ("", "compute", "nosoftmax", "trace", "gather", "nolatency"):
+    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
@@ -192,11 +217,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
     SM = diag != "nosoftmax"
-    TR = diag == "trace"
+    TR = diag in ("trace", "traceb")
+    TB = diag == "traceb"
     NI = TP // BI
     NP = NI // 2
     if TR and NP > 5:
         raise ValueError("fwd_kernel_pp: diag='trace' keeps 12 stamps a pair in the 64 LSE slots: TP <= 640")
+    if TB and not (OP and NP >= 4):
+        raise ValueError("fwd_kernel_pp: diag='traceb' stamps the o_in_p boundary (late_s0, o_in_p) in pairs 1-2's "
+                         "slots, the last pair's kept: it needs o_in_p and TP >= 8 BI")
     DH = D // 2
     OPJ = tuple(range(DH // 64 - 1))    # o_in_p: O_L's pieces of 64 columns outside stage 1 (P0, P1, o_s)
     c = float(scale) * LOG2E
@@ -207,10 +236,22 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     @T.macro
     def stamp(slot, t0s, Lse, bi, mi):
         """diag="trace": thread 0 of the calling warpgroup writes clock64() - the CTA's start into Lse[bi, mi, slot]
-        (cycles, exact in fp32 below 2^24)."""
+        (cycles, exact in fp32 below 2^24). "traceb": not in pairs 1-2's slots [12, 36), which hold bstamp's."""
         if TR:
             if T.get_thread_binding() % 128 == 0:
-                Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+                if TB:
+                    if slot < 12 or slot >= 36:
+                        Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+                else:
+                    Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+
+    @T.macro
+    def bstamp(j, t0s, Lse, bi, mi):
+        """diag="traceb": a query-boundary stamp j (< 24) into slot 12 + j of query (bi, mi)'s row (BOUNDARY_STAMPS
+        names them)."""
+        if TB:
+            if T.get_thread_binding() % 128 == 0:
+                Lse[bi, mi, 12 + j] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
 
     @T.macro
     def epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, p_s, o_s, free, Sink, O, Lse, bi, mi, t0s):
@@ -234,13 +275,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :] if j < 2 else o_s)
             stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
             T.tma_store_wait(0)                         # the stage's piece is read (under the writes above):
+            bstamp(0, t0s, Lse, bi, mi)
             T.barrier_arrive(free[2 + w])               # stage 1's left half is free for the next query
             for j in OPJ:
                 T.tma_copy(p_s[j, :, :] if j < 2 else o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
+            bstamp(1, t0s, Lse, bi, mi)
         elif LS:                                        # the store's reads are waited for in release_o
             T.copy(acc_o, kv_s[1, :, w * DH:(w + 1) * DH])
             if w == 0:
                 stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
+            bstamp(5, t0s, Lse, bi, mi)
             T.tma_copy(kv_s[1, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
         else:
             # staged in q_s[0] (one CTA a query) or kv_s[1] (persistent); not bound to a name, which TileLang would
@@ -258,12 +302,13 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.copy(ls, Lse[bi, mi, :])
 
     @T.macro
-    def release_o(w, free):
+    def release_o(w, free, t0s, Lse, bi, mi):
         """late_s0: stage 1's half w is free once the O store issued by the epilogue has read it. Only the issuing
         thread has a bulk group to wait for; each thread arrives after its own wait, so the phase completes after
         the issuer's."""
         if not (OP and w == 0):                         # (o_in_p: the epilogue freed it already)
             T.tma_store_wait(0)
+            bstamp(6, t0s, Lse, bi, mi)
             T.barrier_arrive(free[2 + w])
 
     @T.macro
@@ -370,14 +415,17 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         scale_o(acc_o, a, vote)
 
     @T.macro
-    def issue_s0(k, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready):
+    def issue_s0(k, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready, t0s, Lse, bi, mi):
         """Consumer 0: the QK of the CTA's k-th query's first block (S0 of its first pair), issued, not waited for."""
         T.barrier_wait(bar_q, k % 2)
+        bstamp(2, t0s, Lse, bi, mi)
         z = zs[0]
         seed(0, acc_s, idx_s, k % NB)
         T.barrier_wait(ready[0 + L], (k * NP) % 2)
+        bstamp(3, t0s, Lse, bi, mi)
         qk_half(z, L, 0, acc_s, q_s, kv_s)
         T.barrier_wait(ready[0 + R], (k * NP) % 2)
+        bstamp(4, t0s, Lse, bi, mi)
         qk_half(z, R, 0, acc_s, q_s, kv_s)
 
     @T.macro
@@ -386,7 +434,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """Consumer 0's pairs of the CTA's k-th query (every per-pair barrier's phase runs on: gp = k NP + i)."""
         ib = k % NB
         if not P:                                       # persistent: issued before the previous query's epilogue
-            issue_s0(k, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
+            issue_s0(k, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready, t0s, Lse, bi, mi)
         T.wait_wgmma(0)
         if P and NP == 1:
             T.barrier_arrive(q_free)                    # my last QK of this query is done
@@ -402,6 +450,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                     if k > 0:                           # (only the store's issuer waits: the others wait for it)
                         T.tma_store_wait(0)
                         T.sync_threads(3, 128)
+                        bstamp(9, t0s, Lse, bi, mi)
                         T.barrier_arrive(p_free1)       # (the previous query's last pair's, held back)
             T.copy(acc_s, p_s[0, :, :])
             T.copy(m0, mx_s[0, :])
@@ -448,11 +497,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         """Consumer 1's pairs of the CTA's k-th query."""
         ib = k % NB
         T.barrier_wait(bar_q, k % 2)
+        bstamp(7, t0s, Lse, bi, mi)
         for i in T.serial(NP):
             gp = k * NP + i
             z = zs[0]                                   # 0, unknown to ptxas: no WGMMA descriptor is hoisted
             seed(2 * i + 1, acc_s, idx_s, ib)
             T.barrier_wait(ready[2 + L], gp % 2)
+            if TB:
+                if i == 0:
+                    bstamp(8, t0s, Lse, bi, mi)
             qk_half(z, L, 1, acc_s, q_s, kv_s)
             T.barrier_wait(ready[2 + R], gp % 2)
             stamp(12 * i + 7, t0s, Lse, bi, mi)
@@ -504,7 +557,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
               bar_p0, bar_p1, p_free0, p_free1, t0s, Lse, bi, mi)
         if P and w == 0 and not LS:
             if k < NQ - 1:
-                issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
+                issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready, t0s, Lse, bi, mi)
         # both sums are under the final max (m1 of the last pair); the exchange also says both consumers are past
         # their last WGMMA on q_s, which the epilogue reuses for O (one CTA a query)
         T.copy(l, sum_s[w, :])
@@ -515,8 +568,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         if LS:                                          # the next S0 waits (Q, stage 0) under the O store's reads
             if w == 0:
                 if k < NQ - 1:
-                    issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
-            release_o(w, free)
+                    issue_s0(k + 1, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready, t0s, Lse, bi, mi)
+            release_o(w, free, t0s, Lse, bi, mi)
         stamp(62 + w, t0s, Lse, bi, mi)                  # trace: the consumer's epilogue done
         if P and w == 0:
             T.wait_wgmma(0)                             # no WGMMA in flight across the query loop's back edge
@@ -556,7 +609,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             if P:
                 if w == 0:
                     if NQ > 0:
-                        issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready)
+                        issue_s0(0, z, zs, acc_s, q_s, kv_s, idx_s, bar_q, ready, t0s, Lse, bi, mi)
                 for k in T.serial(NQ):
                     n = cta + k * ctas
                     bm[0] = n // M                      # (as the producer's bq: not re-evaluated at each use)
@@ -570,13 +623,16 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                           bi, mi)
 
     @T.macro
-    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi):
+    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi):
         for i in T.serial(NP):
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
                 if h == L:                              # (before the wait: not on the path from free to the copies)
                     load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
+                if TB:
+                    if i == 0:
+                        bstamp(13 + 2 * s + h, t0s, Lse, bi, mi)
                 if diag == "compute":
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
@@ -589,9 +645,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                         T.barrier_arrive(ready[2 * s + h])
                     else:
                         T.cp_async_barrier_noinc(ready[2 * s + h])
+            if TB:
+                if i == 0:
+                    bstamp(17, t0s, Lse, bi, mi)
 
     @T.macro
-    def producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi):
+    def producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi, t0s, Lse):
         """Warpgroup 2: each query's index row and Q, then its pairs' KV gathers in the order the stage halves are
         freed. Persistent: the next query's index row (the other buffer) right after the current query's gathers,
         its Q once both consumers are past their last QK (``q_free``); its first gathers then wait only for the
@@ -600,6 +659,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         tp = T.get_thread_binding() - 256
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
+        mq = T.alloc_local([1], I32) if TB else None    # traceb: the query's row
         if P:
             if NQ > 0:                                   # (the grid may outnumber the queries)
                 load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
@@ -612,17 +672,25 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 # path to the copies (run 109's SASS)
                 T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
                 bq[0] = n // M
-                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0])
+                if TB:
+                    mq[0] = n % M
+                    bstamp(12, t0s, Lse, bq[0], mq[0])
+                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0], t0s, Lse,
+                              mq[0] if TB else 0)
                 if k < NQ - 1:
                     load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
                     T.cp_async_barrier_noinc(bar_i)
                     T.barrier_wait(q_free, k % 2)
+                    if TB:
+                        bstamp(10, t0s, Lse, bq[0], mq[0])
                     load_q(tp, (n + ctas) // M, (n + ctas) % M, q_s, Q, bar_q)
+                    if TB:
+                        bstamp(11, t0s, Lse, bq[0], mq[0])
         else:
             load_row(tp, bi, mi, 0, idx_s, Idx)
             load_q(tp, bi, mi, q_s, Q, bar_q)             # (cp.async: bar_q covers the index row too)
             T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
-            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi)
+            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi)
         if diag == "nolatency":                          # no copy may land after the CTA has exited
             T.ptx_commit_group()
             T.ptx_wait_group(0)
@@ -665,7 +733,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             consumer(1, cta, NQ, zs, q_s, kv_s, idx_s, p_s, mx_s, sum_s, o_s, bar_q, q_free, ready, free, bar_p0,
                      bar_p1, p_free0, p_free1, bar_end, t0s, Sink, O, Lse, bi, mi)
         else:
-            producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi)
+            producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi, t0s, Lse)
 
     @T.prim_func
     def sparse_attn_fwd_pp(
