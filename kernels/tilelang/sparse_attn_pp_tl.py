@@ -182,6 +182,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     "nolatency" = every gather is issued as usual, but its stage half is signalled ready at once, not when its rows
     have landed (the gathers' traffic without their latency on the chain);
     "nosoftmax" = no row maxima or exponentials (P = S);
+    "nostore" (late_s0 path) = O is normalised and staged as usual but never stored (O not written: the cost of O's
+    store reads on the query boundary's chain);
     "trace" = the normal kernel, but thread 0 of each consumer writes clock64() stamps (cycles since the CTA's start)
     into the LSE row instead of the LSE, 12 a pair (TP <= 640) and 4 at the end (persistent: into each query's row,
     still from the CTA's start); ``kernels.bench --only attntrace`` prints their medians as a timeline;
@@ -198,7 +200,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
-    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency"):
+    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
@@ -206,6 +208,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
     if q_tma and not ctas:
         raise ValueError("fwd_kernel_pp: q_tma needs the persistent grid (ctas > 0)")
+    if diag == "nostore" and not late_s0:
+        raise ValueError("fwd_kernel_pp: diag='nostore' needs late_s0 (its epilogue's stores are TMA copies)")
     if o_in_p and not (late_s0 and BI == 64):
         raise ValueError("fwd_kernel_pp: o_in_p needs late_s0 (and BI = 64: a P buffer holds 64 x 64 of O)")
     if not 0 <= lazy <= 16:
@@ -219,6 +223,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     SM = diag != "nosoftmax"
     TR = diag in ("trace", "traceb")
     TB = diag == "traceb"
+    NS = diag == "nostore"
     NI = TP // BI
     NP = NI // 2
     if TR and NP > 5:
@@ -270,22 +275,25 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             # o_in_p: only O_L's last 64 columns go through stage 1 (stored first, its own bulk group), the others
             # through P0, P1 (free until this consumer's next P0 and consumer 1's next P1) and o_s
             T.copy(acc_o[:, DH - 64:DH], kv_s[1, :, DH - 64:DH])
-            T.tma_copy(kv_s[1, :, DH - 64:DH], O[bi, mi, :, DH - 64:DH])
+            if not NS:
+                T.tma_copy(kv_s[1, :, DH - 64:DH], O[bi, mi, :, DH - 64:DH])
             for j in OPJ:
                 T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :] if j < 2 else o_s)
             stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
             T.tma_store_wait(0)                         # the stage's piece is read (under the writes above):
             bstamp(0, t0s, Lse, bi, mi)
             T.barrier_arrive(free[2 + w])               # stage 1's left half is free for the next query
-            for j in OPJ:
-                T.tma_copy(p_s[j, :, :] if j < 2 else o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
+            if not NS:
+                for j in OPJ:
+                    T.tma_copy(p_s[j, :, :] if j < 2 else o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
             bstamp(1, t0s, Lse, bi, mi)
         elif LS:                                        # the store's reads are waited for in release_o
             T.copy(acc_o, kv_s[1, :, w * DH:(w + 1) * DH])
             if w == 0:
                 stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
             bstamp(5, t0s, Lse, bi, mi)
-            T.tma_copy(kv_s[1, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
+            if not NS:
+                T.tma_copy(kv_s[1, :, w * DH:(w + 1) * DH], O[bi, mi, :, w * DH:(w + 1) * DH])
         else:
             # staged in q_s[0] (one CTA a query) or kv_s[1] (persistent); not bound to a name, which TileLang would
             # give the buffer in the generated code
