@@ -121,7 +121,8 @@ PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 # pp options in every round (132: the H200's SMs)
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0),
-                 dict(ctas=132, late_s0=True, o_in_p=True, q_tma=True))
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_tma=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, s0_first=True))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="nosoftmax"),
                   dict(diag="nostore"))

@@ -115,7 +115,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False):
+                  q_tma: bool = False, s0_first: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -176,6 +176,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     528.5 for the same options without it; its trace puts the next query's first QK at the same place (898 cycles
     after consumer 0's epilogue against 902). So Q's load is not what delays that QK; opt-in, off by default.
 
+    ``s0_first`` (with ``o_in_p``): consumer 0 issues all four of O_L's stores, then the next query's first QK, and
+    only then waits for stage 1's piece to be read and frees stage 1's left half: the QK no longer waits behind that
+    read (the earlier traces put O's store reads at ~2500 cycles for 32 KB), at the cost of stage 1's left half
+    being freed after the QK's waits. The same arithmetic, the same bits. Not yet run on a GPU.
+
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
@@ -208,6 +213,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
     if q_tma and not ctas:
         raise ValueError("fwd_kernel_pp: q_tma needs the persistent grid (ctas > 0)")
+    if s0_first and not o_in_p:
+        raise ValueError("fwd_kernel_pp: s0_first needs o_in_p")
     if diag == "nostore" and not late_s0:
         raise ValueError("fwd_kernel_pp: diag='nostore' needs late_s0 (its epilogue's stores are TMA copies)")
     if o_in_p and not (late_s0 and BI == 64):
@@ -217,6 +224,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     P = ctas > 0
     LS = bool(late_s0)
     OP = bool(o_in_p)
+    SF = bool(s0_first)
     QT = bool(q_tma)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
@@ -280,9 +288,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             for j in OPJ:
                 T.copy(acc_o[:, j * 64:(j + 1) * 64], p_s[j, :, :] if j < 2 else o_s)
             stamp(12 * (NP - 1) + 6, t0s, Lse, bi, mi)
-            T.tma_store_wait(0)                         # the stage's piece is read (under the writes above):
-            bstamp(0, t0s, Lse, bi, mi)
-            T.barrier_arrive(free[2 + w])               # stage 1's left half is free for the next query
+            if not SF:
+                T.tma_store_wait(0)                     # the stage's piece is read (under the writes above):
+                bstamp(0, t0s, Lse, bi, mi)
+                T.barrier_arrive(free[2 + w])           # stage 1's left half is free for the next query
             if not NS:
                 for j in OPJ:
                     T.tma_copy(p_s[j, :, :] if j < 2 else o_s, O[bi, mi, :, j * 64:(j + 1) * 64])
@@ -317,6 +326,10 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         if not (OP and w == 0):                         # (o_in_p: the epilogue freed it already)
             T.tma_store_wait(0)
             bstamp(6, t0s, Lse, bi, mi)
+            T.barrier_arrive(free[2 + w])
+        elif SF:                                        # s0_first: the oldest of its bulk groups, the stage's piece
+            T.tma_store_wait(len(OPJ))
+            bstamp(0, t0s, Lse, bi, mi)
             T.barrier_arrive(free[2 + w])
 
     @T.macro
