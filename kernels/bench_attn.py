@@ -122,8 +122,12 @@ PP_DIAG_ROWS = (dict(diag="compute"), dict(diag="nosoftmax"))
 PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, late_s0=True, o_in_p=True),
                  dict(ctas=132, lazy=8.0), dict(ctas=132, late_s0=True, o_in_p=True, lazy=8.0),
                  dict(ctas=132, late_s0=True, o_in_p=True, q_tma=True),
-                 dict(ctas=132, late_s0=True, o_in_p=True, s0_first=True))
+                 dict(ctas=132, late_s0=True, o_in_p=True, s0_first=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_prefetch=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_prefetch=True, q_tma=True))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
+# the "attntraceb" section's options beside the default path's
+PP_TRACEB_EXTRA = ({}, dict(q_prefetch=True))
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="nosoftmax"),
                   dict(diag="nostore"))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
@@ -375,9 +379,15 @@ def attention_trace_boundary(results, args):
     a = _attn_release_inputs(args)
     q, kv, sink, idx, scale, fl, by_f = (a[k] for k in ("q", "kv", "sink", "idx", "scale", "fl", "by_f"))
     ip = sa._pad_idx(idx, 128)
+    for extra in PP_TRACEB_EXTRA:
+        _traceb_one(results, q, kv, sink, ip, scale, fl, by_f, dict(ctas=132, **sa.FWD_PP_BOUNDARY, **extra))
+
+
+def _traceb_one(results, q, kv, sink, ip, scale, fl, by_f, kw):
+    """attention_trace_boundary's row and boundary timeline for pp with options ``kw``."""
+    from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     H, D, TP = q.shape[2], q.shape[3], ip.shape[-1]
-    G = 132
-    kw = dict(ctas=G, **sa.FWD_PP_BOUNDARY)
+    G = kw["ctas"]
     kt = pp.fwd_kernel_pp(H, D, TP, scale, diag="traceb", **kw)
     name = f"  pp {json.dumps(kw, separators=(',', ':'))} diag=traceb"
     results.append(row(name, bench(lambda: kt(q, kv, sink, ip)), fl, by_f))

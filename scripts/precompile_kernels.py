@@ -302,7 +302,8 @@ def attn_bench():
         pp.fwd_kernel_pp(H, D, 640, scale, **kw)
     for kw in ({},) + ba.PP_ROUND_OPTS:             # attntrace
         pp.fwd_kernel_pp(H, D, 640, scale, diag="trace", **kw)
-    pp.fwd_kernel_pp(H, D, 640, scale, diag="traceb", ctas=132, **sa.FWD_PP_BOUNDARY)   # attntraceb
+    for kw in ba.PP_TRACEB_EXTRA:                   # attntraceb
+        pp.fwd_kernel_pp(H, D, 640, scale, diag="traceb", ctas=132, **sa.FWD_PP_BOUNDARY, **kw)
     from functional_dsv41.kernels.tilelang import sparse_attn_cl_tl as cl
     sms = 132                                       # attncl: the H200's (and H100's) SM count
     pp.fwd_kernel_pp(H, D, 640, scale, ctas=sms)

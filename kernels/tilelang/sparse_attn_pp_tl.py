@@ -81,6 +81,14 @@ import tilelang.language as T
 from ._common import LOG2E, check_nreg, compile_kernel, softmax_macros
 from .sparse_attn_tl import BF16, F32, I32
 
+# q_prefetch: a bulk prefetch of contiguous global bytes into L2 (one instruction, no completion to wait for)
+_PREFETCH_SRC = r"""
+__device__ __forceinline__ void dsv41_prefetch_l2(const void* base, long long offset, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+               : : "l"(static_cast<const char*>(base) + offset), "r"(bytes) : "memory");
+}
+"""
+
 # diag="traceb": the query-boundary stamps, slot 12 + j of a query's row: (j, who, what, frame). "end": at the end of
 # the row's own query (the producer's: its load of the next Q); "start": at the start of the row's query
 BOUNDARY_STAMPS = (
@@ -115,7 +123,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False, s0_first: bool = False):
+                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -181,6 +189,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     read (the earlier traces put O's store reads at ~2500 cycles for 32 KB), at the cost of stage 1's left half
     being freed after the QK's waits. The same arithmetic, the same bits. Not yet run on a GPU.
 
+    ``q_prefetch`` (persistent only): at the start of each query's gathers one producer thread prefetches the next
+    query's Q (64 KB) and index row into L2 (``cp.async.bulk.prefetch.L2``), so that their loads a query later come
+    from L2, not HBM. Why: the boundary trace (``diag="traceb"``, run 140) has Q's 64 KB from HBM taking ~5000
+    cycles to land, and each producer thread's cp.async arrival on stage 0's ready barrier waits for its share of
+    Q, so the next query's first QK waited for Q. The same bits by construction. Not yet run on a GPU.
+
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
@@ -213,6 +227,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
     if q_tma and not ctas:
         raise ValueError("fwd_kernel_pp: q_tma needs the persistent grid (ctas > 0)")
+    if q_prefetch and not ctas:
+        raise ValueError("fwd_kernel_pp: q_prefetch needs the persistent grid (ctas > 0)")
     if s0_first and not o_in_p:
         raise ValueError("fwd_kernel_pp: s0_first needs o_in_p")
     if diag == "nostore" and not late_s0:
@@ -225,6 +241,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     LS = bool(late_s0)
     OP = bool(o_in_p)
     SF = bool(s0_first)
+    QP = bool(q_prefetch)
     QT = bool(q_tma)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
@@ -678,6 +695,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         stages."""
         T.set_max_nreg(nreg[1], 0)
         tp = T.get_thread_binding() - 256
+        if QP:
+            T.import_source(_PREFETCH_SRC)
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
         mq = T.alloc_local([1], I32) if TB else None    # traceb: the query's row
@@ -696,6 +715,13 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 if TB:
                     mq[0] = n % M
                     bstamp(12, t0s, Lse, bq[0], mq[0])
+                if QP:                                  # the next query's Q and index row into L2, a query ahead
+                    if k < NQ - 1:
+                        if tp == 0:                     # (query n + ctas: row n + ctas of the [B M] queries)
+                            T.call_extern("handle", "dsv41_prefetch_l2", Q.data,
+                                          T.cast(n + ctas, "int64") * (H * D * 2), H * D * 2)
+                            T.call_extern("handle", "dsv41_prefetch_l2", Idx.data,
+                                          T.cast(n + ctas, "int64") * (TP * 4), TP * 4)
                 query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0], t0s, Lse,
                               mq[0] if TB else 0)
                 if k < NQ - 1:
