@@ -124,10 +124,12 @@ PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, la
                  dict(ctas=132, late_s0=True, o_in_p=True, q_tma=True),
                  dict(ctas=132, late_s0=True, o_in_p=True, s0_first=True),
                  dict(ctas=132, late_s0=True, o_in_p=True, q_prefetch=True),
-                 dict(ctas=132, late_s0=True, o_in_p=True, q_prefetch=True, q_tma=True))
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_prefetch=True, q_tma=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_late=True),
+                 dict(ctas=132, late_s0=True, o_in_p=True, q_late=True, q_prefetch=True))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
 # the "attntraceb" section's options beside the default path's
-PP_TRACEB_EXTRA = ({}, dict(q_prefetch=True))
+PP_TRACEB_EXTRA = ({}, dict(q_late=True, q_prefetch=True))
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="nosoftmax"),
                   dict(diag="nostore"))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
@@ -408,6 +410,8 @@ def _traceb_one(results, q, kv, sink, ip, scale, fl, by_f, kw):
                                                                                             "1 right (k + 1)"),
             (med(start[:, 8]), "C1", "pair 0: S1 done (k + 1)")]
     for j, who, what, frame in pp.BOUNDARY_STAMPS:
+        if kw.get("q_late") and j in (10, 11):        # (q_late loads Q elsewhere: these slots are not written)
+            continue
         x = end if frame == "end" else start
         rows.append((med(x[:, 12 + j]), who, what + (" (k)" if frame == "end" else " (k + 1)")))
     for t, who, what in sorted(rows):

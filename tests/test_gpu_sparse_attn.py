@@ -343,8 +343,9 @@ def test_sparse_attn_fwd_default_persistent(T, boundary, monkeypatch):
 @pytest.mark.parametrize("opts", [{}, dict(late_s0=True), dict(late_s0=True, o_in_p=True),
                                   dict(late_s0=True, o_in_p=True, q_tma=True),
                                   dict(late_s0=True, o_in_p=True, s0_first=True),
-                                  dict(late_s0=True, o_in_p=True, q_prefetch=True)],
-                         ids=["", "late_s0", "o_in_p", "q_tma", "s0_first", "q_prefetch"])
+                                  dict(late_s0=True, o_in_p=True, q_prefetch=True),
+                                  dict(late_s0=True, o_in_p=True, q_late=True, q_prefetch=True)],
+                         ids=["", "late_s0", "o_in_p", "q_tma", "s0_first", "q_prefetch", "q_late"])
 @pytest.mark.parametrize("ctas", [7, 132])
 @pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
@@ -354,7 +355,7 @@ def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
     before its epilogue (``late_s0``: after issuing the O store, under its reads; ``o_in_p``: with most of O_L
     staged in the P buffers; ``q_tma``: Q by one TMA load, the index row still by cp.async, both behind bar_q;
     ``s0_first``: the next QK issued before stage 1's O piece is read; ``q_prefetch``: the next Q and index row
-    prefetched into L2 a query ahead); the
+    prefetched into L2 a query ahead; ``q_late``: each Q loaded behind its query's first gathers); the
     arithmetic is the same, so the bits must be one-CTA-a-query's, launch after launch."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp
@@ -532,6 +533,8 @@ def test_sparse_attn_fwd_pp_option_errors():
         pp.fwd_kernel_pp(64, 512, 640, 0.1, ctas=132, o_in_p=True)
     with pytest.raises(ValueError, match="q_tma"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, q_tma=True)
+    with pytest.raises(ValueError, match="q_late"):
+        pp.fwd_kernel_pp(64, 512, 640, 0.1, q_late=True)
     with pytest.raises(ValueError, match="q_prefetch"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, q_prefetch=True)
     with pytest.raises(ValueError, match="s0_first"):

@@ -123,7 +123,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False):
+                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -200,6 +200,12 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     q_tma too); its boundary trace still has stage 0's halves landing ~5000 cycles after their free, as without it.
     So Q's HBM latency is not what holds those gathers back; opt-in, off.
 
+    ``q_late`` (persistent only): the producer loads each query's Q (after the CTA's first) right behind the gathers
+    of its first block (stage 0), not right after the previous query's last gathers: stage 0's ready arrivals then
+    no longer cover Q's copies, and its gathers no longer queue behind them (runs 140-141: they land ~4700 cycles
+    after their free at a query boundary, ~1600 within a query). Q lands later; with ``q_prefetch`` it comes from
+    L2. The same bits by construction. Not yet run on a GPU.
+
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
@@ -233,6 +239,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
     if q_tma and not ctas:
         raise ValueError("fwd_kernel_pp: q_tma needs the persistent grid (ctas > 0)")
+    if q_late and not ctas:
+        raise ValueError("fwd_kernel_pp: q_late needs the persistent grid (ctas > 0)")
     if q_prefetch and not ctas:
         raise ValueError("fwd_kernel_pp: q_prefetch needs the persistent grid (ctas > 0)")
     if s0_first and not o_in_p:
@@ -248,6 +256,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     OP = bool(o_in_p)
     SF = bool(s0_first)
     QP = bool(q_prefetch)
+    QL = bool(q_late)
     QT = bool(q_tma)
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     LZ = lazy > 0
@@ -667,7 +676,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                           bi, mi)
 
     @T.macro
-    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi):
+    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi, q_s, Q, bar_q, q_free):
         for i in T.serial(NP):
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
@@ -689,6 +698,11 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                         T.barrier_arrive(ready[2 * s + h])
                     else:
                         T.cp_async_barrier_noinc(ready[2 * s + h])
+                if QL and s == 0 and h == R:            # q_late: the query's Q behind its first block's gathers
+                    if i == 0:
+                        if k > 0:
+                            T.barrier_wait(q_free, (k - 1) % 2)
+                            load_q(tp, bi, mi, q_s, Q, bar_q)
             if TB:
                 if i == 0:
                     bstamp(17, t0s, Lse, bi, mi)
@@ -705,7 +719,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
             T.import_source(_PREFETCH_SRC)
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
-        mq = T.alloc_local([1], I32) if TB else None    # traceb: the query's row
+        mq = T.alloc_local([1], I32) if TB or QL else None  # traceb, q_late: the query's row
         if P:
             if NQ > 0:                                   # (the grid may outnumber the queries)
                 load_row(tp, cta // M, cta % M, 0, idx_s, Idx)
@@ -718,8 +732,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                 # path to the copies (run 109's SASS)
                 T.barrier_wait(bar_i, k % 2)             # this query's whole index row is in idx_s[k % 2]
                 bq[0] = n // M
-                if TB:
+                if TB or QL:
                     mq[0] = n % M
+                if TB:
                     bstamp(12, t0s, Lse, bq[0], mq[0])
                 if QP:                                  # the next query's Q and index row into L2, a query ahead
                     if k < NQ - 1:
@@ -729,21 +744,22 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                             T.call_extern("handle", "dsv41_prefetch_l2", Idx.data,
                                           T.cast(n + ctas, "int64") * (TP * 4), TP * 4)
                 query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0], t0s, Lse,
-                              mq[0] if TB else 0)
+                              mq[0] if TB or QL else 0, q_s, Q, bar_q, q_free)
                 if k < NQ - 1:
                     load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
                     T.cp_async_barrier_noinc(bar_i)
-                    T.barrier_wait(q_free, k % 2)
-                    if TB:
-                        bstamp(10, t0s, Lse, bq[0], mq[0])
-                    load_q(tp, (n + ctas) // M, (n + ctas) % M, q_s, Q, bar_q)
-                    if TB:
-                        bstamp(11, t0s, Lse, bq[0], mq[0])
+                    if not QL:
+                        T.barrier_wait(q_free, k % 2)
+                        if TB:
+                            bstamp(10, t0s, Lse, bq[0], mq[0])
+                        load_q(tp, (n + ctas) // M, (n + ctas) % M, q_s, Q, bar_q)
+                        if TB:
+                            bstamp(11, t0s, Lse, bq[0], mq[0])
         else:
             load_row(tp, bi, mi, 0, idx_s, Idx)
             load_q(tp, bi, mi, q_s, Q, bar_q)             # (cp.async: bar_q covers the index row too)
             T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
-            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi)
+            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi, q_s, Q, bar_q, q_free)
         if diag == "nolatency":                          # no copy may land after the CTA has exited
             T.ptx_commit_group()
             T.ptx_wait_group(0)
