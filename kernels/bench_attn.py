@@ -127,9 +127,9 @@ PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, la
                  dict(ctas=132, late_s0=True, o_in_p=True, q_prefetch=True, q_tma=True),
                  dict(ctas=132, late_s0=True, o_in_p=True, q_late=True),
                  dict(ctas=132, late_s0=True, o_in_p=True, q_late=True, q_prefetch=True))
-# the "attnbound" section's ablations of the default path's persistent pp kernel
 # the "attntraceb" section's options beside the default path's
 PP_TRACEB_EXTRA = ({}, dict(q_late=True, q_prefetch=True))
+# the "attnbound" section's ablations of the default path's persistent pp kernel
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="nosoftmax"),
                   dict(diag="nostore"))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)

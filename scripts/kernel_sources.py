@@ -41,6 +41,7 @@ def _cases():
         "pp_persistent_lazy": lambda: PP.fwd_kernel_pp(**r, ctas=132, lazy=8.0),
         "pp_persistent_late_s0": lambda: PP.fwd_kernel_pp(**r, ctas=132, late_s0=True),
         "pp_persistent_o_in_p": lambda: PP.fwd_kernel_pp(**r, ctas=132, late_s0=True, o_in_p=True),
+        "pp_trace_persistent": lambda: PP.fwd_kernel_pp(**r, ctas=132, late_s0=True, o_in_p=True, diag="trace"),
         "pp_traceb": lambda: PP.fwd_kernel_pp(**r, ctas=132, late_s0=True, o_in_p=True, diag="traceb"),
         "pp_nosoftmax": lambda: PP.fwd_kernel_pp(**r, diag="nosoftmax"),
         "pp_d256": lambda: PP.fwd_kernel_pp(64, 256, 256, 0.06),

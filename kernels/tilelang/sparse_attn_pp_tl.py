@@ -179,32 +179,27 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     gathers are issued right behind that Q load, so with cp.async they queue behind its reads, and each thread's
     cp.async arrival on a stage's ready barrier also waits for all its earlier copies, Q's included; the traces put
     the next query's first QK ~3000 cycles after consumer 0's O is in shared memory. The same bits by construction
-    (the same Q lands in the same layout). Measured (run 139, H100, release shape, 16 interleaved rounds with the
-    default path): the same bits as the default, 26 bits tests passed, and no gain: 521.2 TFLOP/s median against
-    528.5 for the same options without it; its trace puts the next query's first QK at the same place (898 cycles
-    after consumer 0's epilogue against 902). So Q's load is not what delays that QK; opt-in, off by default.
+    (the same Q lands in the same layout). No gain (run 139: 521.2 TFLOP/s against 528.5, the next QK where it was).
 
     ``s0_first`` (with ``o_in_p``): consumer 0 issues all four of O_L's stores, then the next query's first QK, and
     only then waits for stage 1's piece to be read and frees stage 1's left half: the QK no longer waits behind that
     read (the earlier traces put O's store reads at ~2500 cycles for 32 KB), at the cost of stage 1's left half
-    being freed after the QK's waits. The same arithmetic, the same bits. Measured (run 140, H100, medians of 12):
-    519.7 TFLOP/s against 529.2 without it, no gain; the boundary trace says why: that read takes ~110 cycles, and
-    the QK waits for stage 0's gathers instead.
+    being freed after the QK's waits. The same arithmetic, the same bits. No gain (run 140: 519.7 against 529.2; that
+    read takes ~110 cycles, and the QK waits for stage 0's gathers instead).
 
     ``q_prefetch`` (persistent only): at the start of each query's gathers one producer thread prefetches the next
     query's Q (64 KB) and index row into L2 (``cp.async.bulk.prefetch.L2``), so that their loads a query later come
     from L2, not HBM. Why: the boundary trace (``diag="traceb"``, run 140) has Q's 64 KB from HBM taking ~5000
     cycles to land, and each producer thread's cp.async arrival on stage 0's ready barrier waits for its share of
-    Q, so the next query's first QK waited for Q. The same bits by construction. Measured (run 141, H100, medians of
-    16 interleaved rounds): the same bits (8 + 5 tests), no gain: 524.7 TFLOP/s against 535.1 without it (527.1 with
-    q_tma too); its boundary trace still has stage 0's halves landing ~5000 cycles after their free, as without it.
-    So Q's HBM latency is not what holds those gathers back; opt-in, off.
+    Q, so the next query's first QK waited for Q. The same bits by construction. No gain (run 141: 524.7 against
+    535.1; stage 0 still lands ~5000 cycles after its free, so Q's HBM latency is not what holds it back).
 
     ``q_late`` (persistent only): the producer loads each query's Q (after the CTA's first) right behind the gathers
     of its first block (stage 0), not right after the previous query's last gathers: stage 0's ready arrivals then
     no longer cover Q's copies, and its gathers no longer queue behind them (runs 140-141: they land ~4700 cycles
     after their free at a query boundary, ~1600 within a query). Q lands later; with ``q_prefetch`` it comes from
     L2. The same bits by construction. Not yet run on a GPU.
+    These four stay opt-in and off; their runs are in BENCHMARKS.md (runs 139-141, "After run 141").
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
@@ -235,14 +230,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
-    if late_s0 and not ctas:
-        raise ValueError("fwd_kernel_pp: late_s0 needs the persistent grid (ctas > 0)")
-    if q_tma and not ctas:
-        raise ValueError("fwd_kernel_pp: q_tma needs the persistent grid (ctas > 0)")
-    if q_late and not ctas:
-        raise ValueError("fwd_kernel_pp: q_late needs the persistent grid (ctas > 0)")
-    if q_prefetch and not ctas:
-        raise ValueError("fwd_kernel_pp: q_prefetch needs the persistent grid (ctas > 0)")
+    for name, on in (("late_s0", late_s0), ("q_tma", q_tma), ("q_late", q_late), ("q_prefetch", q_prefetch)):
+        if on and not ctas:
+            raise ValueError(f"fwd_kernel_pp: {name} needs the persistent grid (ctas > 0)")
     if s0_first and not o_in_p:
         raise ValueError("fwd_kernel_pp: s0_first needs o_in_p")
     if diag == "nostore" and not late_s0:
@@ -279,24 +269,27 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     L, R = 0, 1
 
     @T.macro
+    def clock_to(slot, t0s, Lse, bi, mi):
+        """Thread 0 of the calling warpgroup writes clock64() - the CTA's start into Lse[bi, mi, slot] (cycles, exact
+        in fp32 below 2^24)."""
+        if T.get_thread_binding() % 128 == 0:
+            Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+
+    @T.macro
     def stamp(slot, t0s, Lse, bi, mi):
-        """diag="trace": thread 0 of the calling warpgroup writes clock64() - the CTA's start into Lse[bi, mi, slot]
-        (cycles, exact in fp32 below 2^24). "traceb": not in pairs 1-2's slots [12, 36), which hold bstamp's."""
-        if TR:
-            if T.get_thread_binding() % 128 == 0:
-                if TB:
-                    if slot < 12 or slot >= 36:
-                        Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
-                else:
-                    Lse[bi, mi, slot] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+        """diag="trace": clock_to(slot). "traceb": not in pairs 1-2's slots [12, 36), which hold bstamp's."""
+        if TB:
+            if slot < 12 or slot >= 36:
+                clock_to(slot, t0s, Lse, bi, mi)
+        elif TR:
+            clock_to(slot, t0s, Lse, bi, mi)
 
     @T.macro
     def bstamp(j, t0s, Lse, bi, mi):
         """diag="traceb": a query-boundary stamp j (< 24) into slot 12 + j of query (bi, mi)'s row (BOUNDARY_STAMPS
         names them)."""
         if TB:
-            if T.get_thread_binding() % 128 == 0:
-                Lse[bi, mi, 12 + j] = T.cast(T.call_extern("int64", "clock64") - t0s[0], F32)
+            clock_to(12 + j, t0s, Lse, bi, mi)
 
     @T.macro
     def epilogue(w, l, m, ls, acc_o, sum_s, q_s, kv_s, p_s, o_s, free, Sink, O, Lse, bi, mi, t0s):
