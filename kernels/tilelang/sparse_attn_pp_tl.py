@@ -89,6 +89,14 @@ __device__ __forceinline__ void dsv41_prefetch_l2(const void* base, long long of
 }
 """
 
+# diag="smemwrite": a 16-byte generic store of zeros into shared memory (what a cp.async of 16 bytes writes, without
+# the read from global memory)
+_ZERO16_SRC = r"""
+__device__ __forceinline__ void dsv41_st_shared_zero16(void* p) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
+}
+"""
+
 # diag="traceb": the query-boundary stamps, slot 12 + j of a query's row: (j, who, what, frame). "end": at the end of
 # the row's own query (the producer's: its load of the next Q); "start": at the start of the row's query
 BOUNDARY_STAMPS = (
@@ -158,6 +166,16 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
                                T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
 
     @T.macro
+    def zero_half(tp, s, h, kv_s):
+        """diag="smemwrite": gather_half's shared-memory writes (the same 16-byte pieces at the same addresses, from
+        the same threads) of zeros, with no read from global memory."""
+        for r in T.unroll(BI // 16):
+            row = r * 16 + tp // 8
+            for u in T.unroll(CPH):
+                col = h * DH + u * 64 + (tp % 8) * 8
+                T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "w", 8))
+
+    @T.macro
     def load_row(tp, bi, mi, ib, idx_s, Idx):
         """Query (bi, mi)'s index row into idx_s[ib] (16 bytes a copy)."""
         for r in T.serial((TP // 4 + 127) // 128):
@@ -199,6 +217,10 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
                     else:
                         gather_half(tp, s, h, kv_s, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
+                elif diag == "smemwrite":               # the stage's bytes written, none read from KV
+                    zero_half(tp, s, h, kv_s)
+                    T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
+                    T.barrier_arrive(ready[2 * s + h])
                 else:
                     gather_half(tp, s, h, kv_s, src, KV, bi)
                     if diag == "nolatency":             # ready at once, before the rows land
@@ -224,6 +246,8 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
         tp = T.get_thread_binding() - 256
         if QP:
             T.import_source(_PREFETCH_SRC)
+        if diag == "smemwrite":
+            T.import_source(_ZERO16_SRC)
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
         mq = T.alloc_local([1], I32) if TB or QL else None  # traceb, q_late: the query's row
@@ -352,14 +376,18 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     of its first block (stage 0), not right after the previous query's last gathers: stage 0's ready arrivals then
     no longer cover Q's copies, and its gathers no longer queue behind them (runs 140-141: they land ~4700 cycles
     after their free at a query boundary, ~1600 within a query). Q lands later; with ``q_prefetch`` it comes from
-    L2. The same bits by construction. Not yet run on a GPU.
-    These four stay opt-in and off; their runs are in BENCHMARKS.md (runs 139-141, "After run 141").
+    L2. The same bits by construction. No gain (run 142, H200: 518.8 alone, 518.9 with ``q_prefetch``, against
+    519.1; stage 0 still lands ~4200 cycles after its free, so queueing behind Q is not what holds it back).
+    These four stay opt-in and off; their runs are in BENCHMARKS.md (runs 139-142).
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
     "nolatency" = every gather is issued as usual, but its stage half is signalled ready at once, not when its rows
     have landed (the gathers' traffic without their latency on the chain);
+    "smemwrite" = each stage half gets the same 16-byte shared-memory writes from the same producer threads, but of
+    zeros by generic stores, read from nowhere, and is signalled ready at once (O = 0 exactly: the smem writes'
+    share of what the gathers cost, without their reads from L2);
     "nosoftmax" = no row maxima or exponentials (P = S);
     "nostore" (late_s0 path) = O is normalised and staged as usual but never stored (O not written: the cost of O's
     store reads on the query boundary's chain; run 140 measured it 22% slower than the kernel, at 594 W against
@@ -380,7 +408,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
-    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore"):
+    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore", "smemwrite"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
