@@ -62,16 +62,20 @@ top: 508-528. What is left at a query's boundary (the persistent traces, stretch
 warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
 (433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
-Next step: shorten the time from a stage half's free to its rows landing, which is worth up to ~16% (635 against
-534): the producer's path from the free wait to its last copy issued (what "nolatency" still waits for) and the
-copies' flight. Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run
-106, the code in baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help
-(run 103), so merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains
-per SM, as FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256
-registers a thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is
-correct, but its per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Run 102 read
-the gap between "nolatency" and "compute" as the gathers' traffic; run 109's profile says otherwise (the same tensor
-cycles and WGMMA wavefronts, the extra time in ready waits), as run 74's micro-benchmark had: it is time on the chain.
+Next step. "nolatency" runs at the default's speed on both GPUs (H100 run 140: 541 against 538; H200 run 143:
+527.1 against 526.9), so the rows' flight from L2 is not what the chain waits for. What is left between the default
+and "compute" (527 against 636 on the H200) is the producer's path from a free wait to its copies issued, which
+"nolatency" keeps on the chain, and the copies' traffic while the consumers compute. With run 109's profile (the
+consumers' extra time is in their ready waits) that points at the producer's issue. "smemwrite" (the same
+producer path and shared-memory writes, of zeros, with no reads from L2; built, not yet run) separates the reads
+from L2 from the rest: near "compute", the reads cost; near the default, the issue path or the writes do.
+Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in
+baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so
+merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
+FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
+thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
+per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Nor is the query boundary's
+Q load: four options that move it (``q_tma``, ``s0_first``, ``q_prefetch``, ``q_late``) gave nothing (runs 139-142).
 """
 import functools
 import inspect
