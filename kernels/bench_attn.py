@@ -131,7 +131,7 @@ PP_ROUND_OPTS = (dict(ctas=132), dict(ctas=132, late_s0=True), dict(ctas=132, la
 PP_TRACEB_EXTRA = ({}, dict(q_late=True, q_prefetch=True))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="smemwrite"),
-                  dict(diag="nosoftmax"), dict(diag="nostore"))
+                  dict(diag="smemwrite_quarter"), dict(diag="nosoftmax"), dict(diag="nostore"))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
 PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))
 
@@ -232,7 +232,7 @@ def attention_bound(results, args):
     at the kernel's two stages: nothing computed), "compute" (the compute alone, on stale rows after the first
     pair), "nolatency" (every gather issued, each stage signalled ready at once: the gathers' traffic without their
     latency), "smemwrite" (each stage's shared-memory writes, of zeros, with no reads from L2: the smem writes'
-    share of that traffic), "nosoftmax" (P = S) and "nostore" (O staged but never stored: what O's store reads cost at the query
+    share of that traffic; "smemwrite_quarter": a quarter of those writes, the same barriers), "nosoftmax" (P = S) and "nostore" (O staged but never stored: what O's store reads cost at the query
     boundary). compute against the default says what the gathers cost; nolatency says whether that is their latency
     on the chain (nolatency near compute) or their traffic (near the default)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp

@@ -489,7 +489,8 @@ def test_sparse_attn_fwd_pp_diag_ablations(ctas):
     """The bench's ablations of the pp forward (attnbound, attndiag) run to the end, one CTA a query and persistent
     with the default path's options: "gather" (no compute: the consumers free each stage as it lands), "compute"
     (stale rows after the first pair), "nolatency" (stages signalled before their rows land), "smemwrite" (every
-    stage half overwritten with zeros, nothing gathered), "nosoftmax" (P = S, unnormalised: inf and NaN by design)
+    stage half overwritten with zeros, nothing gathered), "smemwrite_quarter" (a quarter of each stage half
+    overwritten, the rest uninitialised: its values are undefined, only that it ends is checked), "nosoftmax" (P = S, unnormalised: inf and NaN by design)
     and, persistent, "nostore" (O never stored); "compute" gives finite outputs (its values are meaningless by
     design), "smemwrite" O = 0 exactly (V = 0 in every stage: any half it failed to overwrite would show)."""
     _need_tilelang()
@@ -498,7 +499,8 @@ def test_sparse_attn_fwd_pp_diag_ablations(ctas):
     B, M, H, D, N, T = PP_SHAPES[0]
     q, kv, sink, idx = _pp_inputs(PP_SHAPES[0])
     opts = dict(ctas=ctas, **sa.FWD_PP_BOUNDARY) if ctas else {}
-    for diag in ("gather", "compute", "nolatency", "smemwrite", "nosoftmax") + (("nostore",) if ctas else ()):
+    for diag in ("gather", "compute", "nolatency", "smemwrite", "smemwrite_quarter", "nosoftmax") + (
+            ("nostore",) if ctas else ()):
         o, lse = fwd_kernel_pp(H, D, T, D ** -0.5, diag=diag, **opts)(q, kv, sink.float(), idx)
         torch.cuda.synchronize()
         assert o.shape == q.shape and lse.shape == (B, M, H)

@@ -148,6 +148,7 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
     QT, QL, QP = bool(q_tma), bool(q_late), bool(q_prefetch)
     TB = diag == "traceb"
+    SW = diag in ("smemwrite", "smemwrite_quarter")
     L, R = 0, 1
 
     @T.macro
@@ -172,12 +173,16 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
     @T.macro
     def zero_half(tp, s, h, kv_s):
         """diag="smemwrite": gather_half's shared-memory writes (the same 16-byte pieces at the same addresses, from
-        the same threads) of zeros, with no read from global memory."""
+        the same threads) of zeros, with no read from global memory; "smemwrite_quarter": only the first of each
+        thread's CPH pieces a row (a quarter of the bytes at D = 512, the rest of the stage left as it was)."""
         for r in T.unroll(BI // 16):
             row = r * 16 + tp // 8
-            for u in T.unroll(CPH):
+            for u in T.unroll(1 if diag == "smemwrite_quarter" else CPH):
                 col = h * DH + u * 64 + (tp % 8) * 8
-                T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "w", 8))
+                # (declared a read: as a write, TileLang's sync planner put a producer-warpgroup barrier before
+                # every row's stores, which the gathers do not have (run 144); query_gathers places the gathers'
+                # own two barriers a stage by hand instead)
+                T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "r", 8))
 
     @T.macro
     def load_row(tp, bi, mi, ib, idx_s, Idx):
@@ -210,6 +215,8 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
                 if h == L:                              # (before the wait: not on the path from free to the copies)
+                    if SW:                              # smemwrite: the gathers' producer barriers, placed by hand
+                        T.sync_threads(5, 128)
                     load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if TB:
@@ -221,7 +228,9 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
                     else:
                         gather_half(tp, s, h, kv_s, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
-                elif diag == "smemwrite":               # the stage's bytes written, none read from KV
+                elif SW:                                # the stage's bytes written, none read from KV
+                    if h == L:
+                        T.sync_threads(5, 128)
                     zero_half(tp, s, h, kv_s)
                     T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
                     T.barrier_arrive(ready[2 * s + h])
@@ -250,7 +259,7 @@ def _producer(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: s
         tp = T.get_thread_binding() - 256
         if QP:
             T.import_source(_PREFETCH_SRC)
-        if diag == "smemwrite":
+        if SW:
             T.import_source(_ZERO16_SRC)
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
@@ -391,7 +400,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     have landed (the gathers' traffic without their latency on the chain);
     "smemwrite" = each stage half gets the same 16-byte shared-memory writes from the same producer threads, but of
     zeros by generic stores, read from nowhere, and is signalled ready at once (O = 0 exactly: the smem writes'
-    share of what the gathers cost, without their reads from L2);
+    share of what the gathers cost, without their reads from L2); "smemwrite_quarter" = the same with a quarter of
+    the bytes (each thread's first 16-byte piece of each row it covers; the rest keeps stale rows), the same barriers
+    (whether the bytes or the producer's path per stage half cost);
     "nosoftmax" = no row maxima or exponentials (P = S);
     "nostore" (late_s0 path) = O is normalised and staged as usual but never stored (O not written: the cost of O's
     store reads on the query boundary's chain; run 140 measured it 22% slower than the kernel, at 594 W against
@@ -412,7 +423,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     if _pp_smem(H, D, TP, BI, 2 if ctas else 1, o_in_p) > 227 * 1024 - 2048:
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
-    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore", "smemwrite"):
+    if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore", "smemwrite",
+                    "smemwrite_quarter"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
