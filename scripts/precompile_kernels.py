@@ -16,6 +16,10 @@ the set of compiled kernels, which is printed (a kernel already in the cache loa
     .venv/bin/python scripts/precompile_kernels.py attn-bench # the attention forward's bench rows (attndiag)
     .venv/bin/python scripts/precompile_kernels.py attn-pp    # only the bench's "attnpp", "attnnreg", "attnbound" rows
 
+``--keys-out FILE`` adds the cache keys of every kernel a run compiled or loaded to FILE; ``KEEP=FILE
+scripts/pack_tl_cache.sh`` then packs only those kernels (the whole cache holds every kernel ever compiled here, and
+with it, the fixtures and the working tree a device call passes its 64 MiB).
+
 ``tests`` runs GPU tests on CPU tensors with the launches stubbed: their assertions fail (the outputs are zeros)
 and tests that need CUDA itself error, but every kernel a test builds before that point is compiled.
 """
@@ -36,6 +40,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
            "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3": torch.float8_e4m3fn}
 COMPILED: list[str] = []
+KEYS: list[str] = []        # TileLang cache keys of the kernels compiled or loaded (--keys-out)
 
 
 class _NoLaunch:
@@ -74,9 +79,20 @@ class _NoLaunch:
 
 
 def install():
-    """Route ``impl="auto"`` on CPU tensors to the TileLang ops, with launches replaced by ``_NoLaunch``."""
+    """Route ``impl="auto"`` on CPU tensors to the TileLang ops, with launches replaced by ``_NoLaunch``; record
+    each kernel's cache key (TileLang's KernelCache._generate_key) in ``KEYS``."""
     from functional_dsv41 import kernels
     import functional_dsv41.kernels.tilelang as tl
+    from tilelang.cache.kernel_cache import KernelCache
+    if not hasattr(KernelCache._generate_key, "recorded"):
+        real_key = KernelCache._generate_key
+
+        def _generate_key(self, *a, **k):
+            key = real_key(self, *a, **k)
+            KEYS.append(key)
+            return key
+        _generate_key.recorded = True
+        KernelCache._generate_key = _generate_key
     kernels.tilelang_status = lambda: (True, "ok (precompile: no launches)")
     kernels._first_tensor_is_cuda = lambda args, kwargs=None: True
     kernels._tilelang_op.cache_clear()
@@ -337,6 +353,9 @@ def main(argv=None):
     ap.add_argument("what", choices=["release-layers", "train-gpu", "train-run", "gemm", "tests", "attn-bench",
                                      "attn-pp"])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--keys-out", default=None, metavar="FILE",
+                    help="add the cache keys of the kernels this run compiled or loaded to FILE (one a line, kept "
+                         "sorted and unique), for scripts/pack_tl_cache.sh's KEEP=FILE: an archive of just those")
     args, rest = ap.parse_known_args(argv)
     if rest and args.what != "tests":
         ap.error(f"unrecognised arguments: {' '.join(rest)}")
@@ -359,6 +378,17 @@ def main(argv=None):
     else:
         train_gpu()
     print(f"{len(COMPILED)} kernels compiled or loaded from the cache in {time.perf_counter() - t:.0f} s")
+    if args.keys_out:
+        old = set()
+        if os.path.exists(args.keys_out):
+            with open(args.keys_out) as f:
+                old = {ln.strip() for ln in f if ln.strip()}
+        keys = sorted(old | set(KEYS))
+        tmp = args.keys_out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("".join(k + "\n" for k in keys))
+        os.replace(tmp, args.keys_out)              # (a good list is never left half-written)
+        print(f"{len(set(KEYS))} cache keys from this run; {len(keys)} in {args.keys_out}")
 
 
 if __name__ == "__main__":
