@@ -3,7 +3,7 @@
 # tests and the GPU training/model paths build, then pack just those kernels as .tl/tlcache.tar.xz, beside the
 # fixtures (.tl/fixtures.tar.xz). The whole cache holds every kernel ever compiled here and, with the fixtures and
 # the working tree, no longer fits in the 64 MiB a call carries; the suite's own kernels do (~7 MB of ~14).
-#   bash scripts/pack_gpu_suite.sh          # ~20 min on 2 cores when the cache already has the kernels
+#   bash scripts/pack_gpu_suite.sh          # 18-25 min on 2 cores when the cache already has the kernels
 # then (carry .tl/site.tar.xz, .tl/tlcache.tar.xz and .tl/fixtures.tar.xz):
 #   bash scripts/gpu_run.sh 540 "python3 -m pytest -q -p no:cacheprovider $(echo tests/test_gpu_*.py) tests/test_func.py -rfEs"
 # The key list is kept in .tl/keys-gpu-suite.txt (rebuilt from scratch each run, so it holds no stale kernel).
