@@ -232,9 +232,10 @@ def attention_bound(results, args):
     at the kernel's two stages: nothing computed), "compute" (the compute alone, on stale rows after the first
     pair), "nolatency" (every gather issued, each stage signalled ready at once: the gathers' traffic without their
     latency), "smemwrite" (each stage's shared-memory writes, of zeros, with no reads from L2: the smem writes'
-    share of that traffic; "smemwrite_quarter": a quarter of those writes, the same barriers), "nosoftmax" (P = S) and "nostore" (O staged but never stored: what O's store reads cost at the query
-    boundary). compute against the default says what the gathers cost; nolatency says whether that is their latency
-    on the chain (nolatency near compute) or their traffic (near the default)."""
+    share of that traffic; "smemwrite_quarter": a quarter of those writes, the same barriers), "nosoftmax" (P = S)
+    and "nostore" (O staged but never stored: what O's store reads cost at the query boundary). compute against the
+    default says what the gathers cost; nolatency says whether that is their latency on the chain (nolatency near
+    compute) or their traffic (near the default)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     opts = tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in ({},) + PP_BOUND_DIAGS)

@@ -42,14 +42,18 @@ fi
 what=(.)
 if [ -n "${KEEP:-}" ]; then
   [ -f "$KEEP" ] || { echo "pack_tl_cache.sh: KEEP=$KEEP is not a file; $OUTA left as it was" >&2; exit 1; }
+  # every compiled kernel's folder, by its key (one walk of the cache, not one a key)
+  declare -A dir_of=()
+  while read -r so; do
+    d=${so%/executable.so}; dir_of[${d##*/}]=$d
+  done < <(cd "$SRC" && find . -mindepth 5 -maxdepth 5 -path "*/kernels/*/executable.so")
   what=(); missing=0
   while read -r key; do
     [ -n "$key" ] || continue
-    d=$(cd "$SRC" && find . -mindepth 3 -maxdepth 4 -type d -path "*/kernels/$key" -print -quit)
-    if [ -z "$d" ] || [ ! -f "$SRC/$d/executable.so" ]; then
+    if [ -z "${dir_of[$key]:-}" ]; then
       echo "pack_tl_cache.sh: kernel $key (KEEP) is not compiled in $SRC" >&2; missing=$((missing + 1))
     else
-      what+=("$d")
+      what+=("${dir_of[$key]}")
     fi
   done < "$KEEP"
   [ "$missing" -eq 0 ] || { echo "pack_tl_cache.sh: $missing kernel(s) missing; $OUTA left as it was" >&2; exit 1; }

@@ -490,9 +490,10 @@ def test_sparse_attn_fwd_pp_diag_ablations(ctas):
     with the default path's options: "gather" (no compute: the consumers free each stage as it lands), "compute"
     (stale rows after the first pair), "nolatency" (stages signalled before their rows land), "smemwrite" (every
     stage half overwritten with zeros, nothing gathered), "smemwrite_quarter" (a quarter of each stage half
-    overwritten, the rest uninitialised: its values are undefined, only that it ends is checked), "nosoftmax" (P = S, unnormalised: inf and NaN by design)
-    and, persistent, "nostore" (O never stored); "compute" gives finite outputs (its values are meaningless by
-    design), "smemwrite" O = 0 exactly (V = 0 in every stage: any half it failed to overwrite would show)."""
+    overwritten, the rest uninitialised: its values are undefined, only that it ends is checked), "nosoftmax"
+    (P = S, unnormalised: inf and NaN by design) and, persistent, "nostore" (O never stored); "compute" gives finite
+    outputs (its values are meaningless by design), "smemwrite" O = 0 exactly (V = 0 in every stage: any half it
+    failed to overwrite would show)."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp

@@ -29,11 +29,11 @@ def _cache(tmp_path, kernels):
     return root
 
 
-def _run(tmp_path, cache, out, cwd=None, **env):
+def _run(tmp_path, cache, out, **env):
     nofix = tmp_path / "nofixtures"
     nofix.mkdir(exist_ok=True)
     e = dict(os.environ, TILELANG_CACHE_DIR=str(cache), DSV41_FIXTURES=str(nofix), TLCACHE_OUT=str(out), **env)
-    return subprocess.run(["bash", SCRIPT], env=e, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=120)
+    return subprocess.run(["bash", SCRIPT], env=e, cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
 
 def _members(path):
