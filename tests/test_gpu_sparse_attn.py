@@ -373,6 +373,33 @@ def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
+@pytest.mark.parametrize("opts", [dict(ctas=0), dict(ctas=7), dict(ctas=7, late_s0=True, o_in_p=True),
+                                  dict(ctas=132, late_s0=True, o_in_p=True)],
+                         ids=["one_cta", "persistent7", "persistent7_o_in_p", "persistent132_o_in_p"])
+@pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sparse_attn_fwd_pp_skip_holes(shape, opts):
+    """skip_holes: a hole's slot is zero-filled only in a CTA's first pair and keeps a stale row after that; its
+    score is -inf all the same, so the bits must be the zero-filled kernel's. The inputs here hold 40% holes (and
+    the runs of holes of _pp_inputs), and a persistent CTA of 7 runs many queries, so most hole slots hold rows of
+    earlier blocks and queries, or (o_in_p) pieces of an earlier query's O staged in stage 1."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
+    B, M, H, D, N, T = shape
+    q, kv, sink, idx = _pp_inputs(shape, seed=18)
+    g = torch.Generator(device=DEV).manual_seed(19)
+    idx = idx.masked_fill(torch.rand(idx.shape, device=DEV, generator=g) < 0.4, -1)
+    scale = D ** -0.5
+    if not pp_fits(H, D, T, **opts):
+        with pytest.raises(ValueError, match="shared memory"):     # (o_in_p's extra piece beside two 1280-slot rows)
+            fwd_kernel_pp(H, D, T, scale, skip_holes=True, **opts)
+        return
+    o, lse = fwd_kernel_pp(H, D, T, scale, **opts)(q, kv, sink.float(), idx)
+    for _ in range(2):
+        o2, lse2 = fwd_kernel_pp(H, D, T, scale, skip_holes=True, **opts)(q, kv, sink.float(), idx)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    assert (o[(idx < 0).all(-1)] == 0).all()
+
+
 def _attn_fp64(q, kv, sink, idx, scale):
     """The exact forward in fp64: softmax over the valid slots and the sink (denominator only), all-hole rows 0."""
     B = q.shape[0]

@@ -26,20 +26,20 @@ __device__ __forceinline__ void dsv41_st_shared_zero16(void* p) {
 
 
 def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: str, *, q_tma: bool,
-                   q_late: bool, q_prefetch: bool, bstamp):
+                   q_late: bool, q_prefetch: bool, skip_holes: bool, bstamp):
     """fwd_kernel_pp's producer warpgroup (warpgroup 2, ``nreg`` registers a thread), as the TileLang macro
     ``producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi, t0s, Lse)``:
     copies each query's index row and Q [H, D] into shared memory, then gathers its KV blocks (BI rows of D
     columns, stage s = block parity) in D halves, in the order the consumers free them. ``M`` is the kernel's
     dynamic query count (a query n of the persistent grid is (n // M, n % M)); ``ctas``, ``diag``, ``q_tma``,
-    ``q_late`` and ``q_prefetch`` are fwd_kernel_pp's options; ``bstamp`` its query-boundary stamp macro
-    (diag="traceb"). Only the producer copies from global memory into Q, the stages and the index rows."""
+    ``q_late``, ``q_prefetch`` and ``skip_holes`` are fwd_kernel_pp's options; ``bstamp`` its query-boundary stamp
+    macro (diag="traceb"). Only the producer copies from global memory into Q, the stages and the index rows."""
     P = ctas > 0
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     NP = TP // BI // 2
     DH = D // 2
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
-    QT, QL, QP = bool(q_tma), bool(q_late), bool(q_prefetch)
+    QT, QL, QP, SH = bool(q_tma), bool(q_late), bool(q_prefetch), bool(skip_holes)
     TB = diag == "traceb"
     SW = diag in ("smemwrite", "smemwrite_quarter")
     L, R = 0, 1
@@ -53,11 +53,13 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
 
     @T.macro
-    def gather_half(tp, s, h, kv_s, src, KV, bi):
+    def gather_half(tp, s, h, kv_s, src, KV, bi, gp):
         """The block's BI rows (their indices in src), columns of half h, into stage s (thread tp of 128: 8 threads a
-        row, 16 rows a pass). diag="smemwrite": the same 16-byte pieces at the same addresses, from the same threads,
-        written as zeros by generic stores, nothing read from KV; "smemwrite_quarter": only the first of each thread's
-        CPH pieces a row (a quarter of the bytes at D = 512, the rest of the stage left as it was)."""
+        row, 16 rows a pass); gp is the CTA's pair count. A hole (-1) fails the copy's bounds check: zero-filled, not
+        read; ``skip_holes``: only in the CTA's first pair (gp == 0), its slot left as it was after that.
+        diag="smemwrite": the same 16-byte pieces at the same addresses, from the same threads, written as zeros by
+        generic stores, nothing read from KV; "smemwrite_quarter": only the first of each thread's CPH pieces a row
+        (a quarter of the bytes at D = 512, the rest of the stage left as it was)."""
         for r in T.unroll(BI // 16):
             row = r * 16 + tp // 8
             for u in T.unroll(1 if diag == "smemwrite_quarter" else CPH):
@@ -67,7 +69,11 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                     # every row's stores, which the gathers do not have (run 144); query_gathers places the
                     # gathers' own two barriers a stage by hand instead)
                     T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "r", 8))
-                else:                           # a hole (-1) fails the copy's bounds check: zero-filled, not read
+                elif SH:
+                    if T.Or(src[r] >= 0, gp == 0):
+                        T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
+                                       T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
+                else:
                     T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
                                    T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
 
@@ -113,16 +119,16 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
                     else:
-                        gather_half(tp, s, h, kv_s, src, KV, bi)
+                        gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
                 elif SW:                                # the stage's bytes written, none read from KV
                     if h == L:
                         T.sync_threads(5, 128)
-                    gather_half(tp, s, h, kv_s, src, KV, bi)
+                    gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                     T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
                     T.barrier_arrive(ready[2 * s + h])
                 else:
-                    gather_half(tp, s, h, kv_s, src, KV, bi)
+                    gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                     if diag == "nolatency":             # ready at once, before the rows land
                         T.barrier_arrive(ready[2 * s + h])
                     else:

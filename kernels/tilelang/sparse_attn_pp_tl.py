@@ -122,7 +122,8 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False):
+                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False,
+                  skip_holes: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -200,6 +201,17 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     L2. The same bits by construction. No gain (run 142, H200: 518.8 alone, 518.9 with ``q_prefetch``, against
     519.1; stage 0 still lands ~4200 cycles after its free, so queueing behind Q is not what holds it back).
     These four stay opt-in and off; their runs are in BENCHMARKS.md (runs 139-142).
+
+    ``skip_holes``: a hole's slot (index -1) is zero-filled in the CTA's first pair only; after that the producer
+    copies nothing into it, so it keeps a row an earlier block of this CTA gathered (or the first pair's zeros). Its
+    score is still -inf (the QK accumulator is seeded with -inf there), so its P is exactly 0 and so is its share of
+    P V: the same bits wherever that stale row is finite, which it is unless KV itself holds an Inf or NaN (then a
+    NaN can reach a query that does not index that row; with zero-filled holes it reaches only the queries that
+    do), or Q K over a stale row overflows fp32. Why: run 145 put the stages' shared-memory writes at most of what
+    the gathers cost (``diag="smemwrite"``: the same writes, of zeros, with no L2 reads, 558 TFLOP/s against the
+    default's 540 and compute's 632; a quarter of those writes, 650), and the holes' zero-fills are such writes
+    (10.3% of the slots of the bench's release inputs; more for a prefill's first queries, whose compressed
+    entries are fewer than the top-k).
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
@@ -627,7 +639,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                           bi, mi)
 
     # warpgroup 2: the index rows, Q and the KV gathers (the one role that reads Q, KV and Idx)
-    producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late,
+    producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late, skip_holes=skip_holes,
                               q_prefetch=q_prefetch, bstamp=bstamp)
 
     @T.macro
