@@ -62,15 +62,13 @@ top: 508-528. What is left at a query's boundary (the persistent traces, stretch
 warpgroups' own copies (no gain, run 69) or straight from the accumulators so that stage 1 frees at the last P V
 (433-448 against 490-508: the 4-byte stores cost consumer 0 ~9000 cycles a query, run 71).
 
-Next step. "nolatency" runs at the default's speed on both GPUs (H100 run 140: 541 against 538; H200 run 143:
-527.1 against 526.9), so the rows' flight from L2 is not what the chain waits for. What is left between the default
-and "compute" (527 against 636 on the H200) is the producer's path from a free wait to its copies issued, which
-"nolatency" keeps on the chain, and the copies' traffic while the consumers compute. With run 109's profile (the
-consumers' extra time is in their ready waits) that points at the producer's issue. "smemwrite" (the same
-producer path and shared-memory writes, of zeros, with no reads from L2) separates the reads from L2 from the rest:
-near "compute", the reads cost; near the default, the issue path or the writes do. Its first run (run 144, H100:
-552.5 against the default's 542.5 and compute's 632.4) carried 16 producer barriers a pair that the gathers do not
-have, so it is a lower bound; the fixed one and ``smemwrite_quarter`` (a quarter of the bytes) are not yet run.
+What the gathers cost, then. "nolatency" runs at the default's speed on both GPUs (H100 run 140: 541 against 538;
+H200 run 143: 527.1 against 526.9), so the rows' flight from L2 is not what the chain waits for. "smemwrite" (the
+same producer path and shared-memory writes, of zeros, with no reads from L2) runs at 558 against the default's 540
+and compute's 632, and "smemwrite_quarter" (a quarter of those writes behind the same barriers) at 650 (H100 run
+145, medians of 8): the L2 reads cost ~3%, the stages' shared-memory writes the rest. Getting 128 KB a pair into
+shared memory while the WGMMAs read theirs (~416 KB a pair) is what the consumers wait for. So the lever is fewer
+bytes written: ``skip_holes`` (below) writes nothing into a hole's slot after a CTA's first pair.
 Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in
 baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so
 merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
