@@ -1,6 +1,7 @@
 """TileLang sparse attention backward (dq, dkv, dsink; issue #7), atomic and split, against the torch reference: gradients
 against the fp32 truth (cosine diff < 1e-4, or within 1.5x the bf16 reference's own), torch.func.grad through the custom
-op, all-hole rows. GPU only: tests/conftest.py skips them without CUDA. The forwards: test_gpu_sparse_attn.py.
+op, all-hole rows. GPU only: tests/conftest.py skips them without CUDA. The forwards: test_gpu_sparse_attn.py and
+test_gpu_sparse_attn_pp.py.
 """
 import pytest
 import torch
