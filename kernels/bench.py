@@ -352,7 +352,8 @@ def main(argv=None):
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ",".join(SECTIONS))
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--rounds", type=positive_int, default=3,
-                   help="attnpp, attnnreg, attnbound, attnholes: interleaved rounds of their rows, summarised by median, min and max (default 3)")
+                   help="attnpp, attnnreg, attnbound, attnholes: interleaved rounds of their rows, summarised by "
+                        "median, min and max (default 3)")
     p.add_argument("--attn-data", choices=("random", "settled"), default="random",
                    help="the attention sections' KV rows: random normal (default), or 'settled': the window's rows x4, "
                         "so each query's running maxima are set in its first two blocks and rarely move after")
