@@ -117,13 +117,16 @@ def test_sparse_attn_fwd_pp_skip_holes(shape, opts):
     """skip_holes: a hole's slot is zero-filled only in a CTA's first pair and keeps a stale row after that; its
     score is -inf all the same, so the bits must be the zero-filled kernel's. The inputs here hold 40% holes (and
     the runs of holes of _pp_inputs), and a persistent CTA of 7 runs many queries, so most hole slots hold rows of
-    earlier blocks and queries, or (o_in_p) pieces of an earlier query's O staged in stage 1."""
+    earlier blocks and queries, or (o_in_p) pieces of an earlier query's O staged in stage 1. 3% of the indices are
+    out of range (>= N): those are no holes (their score is Q . 0), so their slots must be zero-filled every time, as
+    the default kernel's bounds check does (skip_holes' copies check the range themselves)."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
     B, M, H, D, N, T = shape
     q, kv, sink, idx = _pp_inputs(shape, seed=18)
     g = torch.Generator(device=DEV).manual_seed(19)
-    idx = idx.masked_fill(torch.rand(idx.shape, device=DEV, generator=g) < 0.4, -1)
+    u = torch.rand(idx.shape, device=DEV, generator=g)
+    idx = idx.masked_fill(u < 0.4, -1).masked_fill((u >= 0.4) & (u < 0.43), N + 3)
     scale = D ** -0.5
     if not pp_fits(H, D, T, **opts):
         with pytest.raises(ValueError, match="shared memory"):     # (o_in_p's extra piece beside two 1280-slot rows)

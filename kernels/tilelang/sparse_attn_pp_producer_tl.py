@@ -24,6 +24,19 @@ __device__ __forceinline__ void dsv41_st_shared_zero16(void* p) {
 }
 """
 
+# skip_holes: one 16-byte cp.async under a predicate (no branch): issued only where ``write`` is set, and reading
+# 16 bytes where ``valid`` is set, else zero-filling (src-size 0, nothing read). TileLang's conditional copy always
+# issues (zero-filling where its bounds check fails); an ``if`` around the copies was slower (runs 147, 149).
+_PRED16_SRC = r"""
+__device__ __forceinline__ void dsv41_cp_async16_pred(void* smem, const void* base, long long offset, int valid,
+                                                      int write) {
+  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const void* gmem = static_cast<const char*>(base) + offset;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n"
+               : : "r"(addr), "l"(gmem), "r"(valid ? 16 : 0), "r"(write) : "memory");
+}
+"""
+
 
 def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: str, *, q_tma: bool,
                    q_late: bool, q_prefetch: bool, skip_holes: bool, bstamp):
@@ -70,9 +83,13 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                     # gathers' own two barriers a stage by hand instead)
                     T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "r", 8))
                 elif SH:
-                    if T.Or(src[r] >= 0, gp == 0):
-                        T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
-                                       T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
+                    # (the stage declared a read, as for smemwrite, query_gathers placing the two barriers by hand;
+                    # KV's address as base + bytes, so that TileLang wraps no bounds check of its own around the
+                    # call. Read only in [0, N), as that check does; an index >= N is zero-filled, -1 skipped)
+                    T.call_extern("handle", "dsv41_cp_async16_pred", T.access_ptr(kv_s[s, row, col], "r", 8), KV.data,
+                                  ((T.cast(bi, "int64") * KV.shape[1] + src[r]) * D + col) * 2,
+                                  T.if_then_else(T.And(src[r] >= 0, src[r] < KV.shape[1]), 1, 0),
+                                  T.if_then_else(T.Or(src[r] >= 0, gp == 0), 1, 0))
                 else:
                     T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
                                    T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
@@ -108,8 +125,8 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
                 if h == L:                              # (before the wait: not on the path from free to the copies)
-                    if SW:                              # smemwrite: the gathers' producer barriers, placed by hand
-                        T.sync_threads(5, 128)
+                    if SW or SH:                        # smemwrite, skip_holes: the gathers' producer barriers,
+                        T.sync_threads(5, 128)          # placed by hand
                     load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if TB:
@@ -128,6 +145,8 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                     T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
                     T.barrier_arrive(ready[2 * s + h])
                 else:
+                    if SH and h == L:
+                        T.sync_threads(5, 128)
                     gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                     if diag == "nolatency":             # ready at once, before the rows land
                         T.barrier_arrive(ready[2 * s + h])
@@ -154,6 +173,8 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             T.import_source(_PREFETCH_SRC)
         if SW:
             T.import_source(_ZERO16_SRC)
+        if SH:
+            T.import_source(_PRED16_SRC)
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
         mq = T.alloc_local([1], I32) if TB or QL else None  # traceb, q_late: the query's row

@@ -68,8 +68,8 @@ same producer path and shared-memory writes, of zeros, with no reads from L2) ru
 and compute's 632, and "smemwrite_quarter" (a quarter of those writes behind the same barriers) at 650 (H100 run
 145, medians of 8): the L2 reads cost ~3%, the stages' shared-memory writes the rest. Getting 128 KB a pair into
 shared memory while the WGMMAs read theirs (~416 KB a pair) is what the consumers wait for. Fewer bytes alone do
-not pay: ``skip_holes`` (below: nothing written into a hole's slot after a CTA's first pair, 10% fewer writes) ran
-1.5-1.9% slower (runs 147 and 149), its branch around each row's copies costing the producer more than it saves.
+not pay by themselves: ``skip_holes`` (below: nothing written into a hole's slot after a CTA's first pair, 10% fewer
+writes) ran 1.5-1.9% slower as a branch around each row's copies (runs 147 and 149); it is now a predicated copy.
 Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in
 baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so
 merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
@@ -210,11 +210,15 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     the gathers cost (``diag="smemwrite"``: the same writes, of zeros, with no L2 reads, 558 TFLOP/s against the
     default's 540 and compute's 632; a quarter of those writes, 650), and the holes' zero-fills are such writes
     (10.3% of the slots of the bench's release inputs; more for a prefill's first queries, whose compressed
-    entries are fewer than the top-k). Measured slower (H100, release shape, medians of 16 interleaved rounds: 521.8
-    against the default's 531.7 in run 147, 524.4 against 532.5 in run 149, slower in 27 of 32 rounds): the only
-    change in the generated CUDA is an ``if`` around each row's four copies, so the producer's path per stage half
-    (its branches, its copies no longer issued as one unrolled run) costs more than the 10% of writes saved. So
-    run 145's quarter-of-the-writes gain is not the bytes alone. Opt-in and off.
+    entries are fewer than the top-k). First built as an ``if`` around each row's four copies (the code in 59b5749):
+    slower (H100, release shape, medians of 16 interleaved rounds: 521.8 against the default's 531.7 in run 147,
+    524.4 against 532.5 in run 149, slower in 27 of 32 rounds), so those branches on the producer's path cost more
+    than the 10% of writes saved. Now each copy is one predicated cp.async instead (``dsv41_cp_async16_pred`` in
+    the producer's file: issued where the index is not a hole or the pair is the CTA's first, reading where the
+    index is in [0, N), zero-filling otherwise), as many instructions as TileLang's conditional copy and no branch;
+    the stage is then declared read, not written, so its two producer barriers a stage are placed by hand, as for
+    ``diag="smemwrite"`` (the generated CUDA also has smemwrite's one extra producer barrier a query). Not yet
+    measured. Opt-in and off.
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
