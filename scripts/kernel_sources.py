@@ -58,6 +58,7 @@ def _cases():
                                                          diag="smemwrite_quarter"),
         "pp_skip_holes": lambda: PP.fwd_kernel_pp(**r, ctas=132, late_s0=True, o_in_p=True, skip_holes=True),
         "pp_skip_holes_one_cta": lambda: PP.fwd_kernel_pp(**r, skip_holes=True),
+        "pp_row_copies": lambda: PP.fwd_kernel_pp(**r, ctas=132, late_s0=True, o_in_p=True, row_copies=True),
         "pp_d256": lambda: PP.fwd_kernel_pp(64, 256, 256, 0.06),
         "seesaw": lambda: SS.fwd_kernel_seesaw(**r, **A.FWD_SEESAW_CFG),
         "seesaw_qk_split": lambda: SS.fwd_kernel_seesaw(**r, BI=64, stages=2, qk_split=2),

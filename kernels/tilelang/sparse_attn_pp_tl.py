@@ -67,9 +67,10 @@ H200 run 143: 527.1 against 526.9), so the rows' flight from L2 is not what the 
 same producer path and shared-memory writes, of zeros, with no reads from L2) runs at 558 against the default's 540
 and compute's 632, and "smemwrite_quarter" (a quarter of those writes behind the same barriers) at 650 (H100 run
 145, medians of 8): the L2 reads cost ~3%, the stages' shared-memory writes the rest. Getting 128 KB a pair into
-shared memory while the WGMMAs read theirs (~416 KB a pair) is what the consumers wait for. Fewer bytes alone do
-not pay by themselves: ``skip_holes`` (below: nothing written into a hole's slot after a CTA's first pair, 10% fewer
-writes) ran 1.5-1.9% slower as a branch around each row's copies (runs 147 and 149); it is now a predicated copy.
+shared memory while the WGMMAs read theirs (~416 KB a pair) is what the consumers wait for. Fewer bytes do not pay
+by themselves: ``skip_holes`` (below: nothing written into a hole's slot after a CTA's first pair, 10% fewer
+writes) ran 1.5-1.9% slower as a branch around each row's copies (runs 147 and 149): the producer's path weighs
+too. ``row_copies`` (below) shortens that path, with the same bits.
 Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in
 baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so
 merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
@@ -122,7 +123,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
                   q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False,
-                  skip_holes: bool = False):
+                  skip_holes: bool = False, row_copies: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -213,12 +214,18 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     entries are fewer than the top-k). First built as an ``if`` around each row's four copies (the code in 59b5749):
     slower (H100, release shape, medians of 16 interleaved rounds: 521.8 against the default's 531.7 in run 147,
     524.4 against 532.5 in run 149, slower in 27 of 32 rounds), so those branches on the producer's path cost more
-    than the 10% of writes saved. Now each copy is one predicated cp.async instead (``dsv41_cp_async16_pred`` in
-    the producer's file: issued where the index is not a hole or the pair is the CTA's first, reading where the
-    index is in [0, N), zero-filling otherwise), as many instructions as TileLang's conditional copy and no branch;
-    the stage is then declared read, not written, so its two producer barriers a stage are placed by hand, as for
-    ``diag="smemwrite"`` (the generated CUDA also has smemwrite's one extra producer barrier a query). Not yet
-    measured. Opt-in and off.
+    than the 10% of writes saved. Now it takes ``row_copies``' copies (below), each row half's block under the
+    predicate "not a hole, or the CTA's first pair". Not yet measured. Opt-in and off.
+
+    ``row_copies``: the producer issues each row half's pieces (4 at D = 512) as one block of inline PTX
+    (``_pred_row_src`` in the producer's file): one predicate, the global address as the thread's row pointer with
+    the columns as immediate offsets, reading where the index is in [0, N) and zero-filling otherwise, as TileLang's
+    own conditional copy does; the same bits. Why: runs 147-149 suggest that the producer's instructions between a
+    stage half's free wait and its ready arrival are on the chain, and TileLang's copies recompute each piece's
+    64-bit address and bounds check. The SASS (compiled here, ``nvdisasm``) has 108 instructions a pair on those
+    paths against the default's 278 (skip_holes: 156; its branch version 492). The stage is declared read, not
+    written, so its two producer barriers a stage are placed by hand, as for ``diag="smemwrite"`` (with its one
+    extra producer barrier a query). Not yet measured. Opt-in and off.
 
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
@@ -258,6 +265,9 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     for name, on in (("late_s0", late_s0), ("q_tma", q_tma), ("q_late", q_late), ("q_prefetch", q_prefetch)):
         if on and not ctas:
             raise ValueError(f"fwd_kernel_pp: {name} needs the persistent grid (ctas > 0)")
+    if (skip_holes or row_copies) and diag in ("smemwrite", "smemwrite_quarter"):
+        raise ValueError(f"fwd_kernel_pp: diag={diag!r} writes its own stores in place of the copies that skip_holes "
+                         "and row_copies change")
     if s0_first and not o_in_p:
         raise ValueError("fwd_kernel_pp: s0_first needs o_in_p")
     if diag == "nostore" and not late_s0:
@@ -647,7 +657,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     # warpgroup 2: the index rows, Q and the KV gathers (the one role that reads Q, KV and Idx)
     producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late, skip_holes=skip_holes,
-                              q_prefetch=q_prefetch, bstamp=bstamp)
+                              row_copies=row_copies, q_prefetch=q_prefetch, bstamp=bstamp)
 
     @T.macro
     def cta_body(cta, bi, mi, Q, KV, Sink, Idx, O, Lse):
