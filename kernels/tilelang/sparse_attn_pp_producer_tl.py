@@ -26,13 +26,13 @@ __device__ __forceinline__ void dsv41_st_shared_zero16(void* p) {
 
 
 def _pred_row_src(cph: int, stride: int) -> str:
-    """The row_copies / skip_holes copy of one row half's ``cph`` 16-byte pieces by thread: ``dsv41_cp_async_row_pred_<cph>_<stride>
-    <COL>(smem, base, row, valid, write)``, one inline-PTX block of ``cph`` cp.asyncs under one predicate (no
-    branch), issued only where ``write`` is set and reading where ``valid`` is set, else zero-filling (src-size 0,
-    nothing read). TileLang's conditional copy always issues (zero-filling where its bounds check fails); an ``if``
-    around the copies was slower (runs 147, 149). Piece u goes from global base + row + COL + 128 u (COL and 128 u
-    immediates in the instruction, as in the default's copies) to shared ``smem`` + ``stride`` u (the next 64-column
-    panel of the swizzled stage: BI x 128 bytes on)."""
+    """The row_copies / skip_holes copy of one row half's ``cph`` 16-byte pieces by thread:
+    ``dsv41_cp_async_row_pred_<cph>_<stride><COL>(smem, base, row, valid, write)``, one inline-PTX block of ``cph``
+    cp.asyncs under one predicate (no branch), issued only where ``write`` is set and reading where ``valid`` is
+    set, else zero-filling (src-size 0, nothing read). TileLang's conditional copy always issues (zero-filling where
+    its bounds check fails); an ``if`` around the copies was slower (runs 147, 149). Piece u goes from global base +
+    row + COL + 128 u (COL and 128 u immediates in the instruction, as in the default's copies) to shared ``smem`` +
+    ``stride`` u (the next 64-column panel of the swizzled stage: BI x 128 bytes on)."""
     ops = "\\n".join(f" @p cp.async.cg.shared.global [%0+{u * stride}], [%1+%{4 + u}], 16, %2;" for u in range(cph))
     cols = ", ".join(f'"n"(COL + {u * 128})' for u in range(cph))
     return f"""
@@ -54,8 +54,9 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
     copies each query's index row and Q [H, D] into shared memory, then gathers its KV blocks (BI rows of D
     columns, stage s = block parity) in D halves, in the order the consumers free them. ``M`` is the kernel's
     dynamic query count (a query n of the persistent grid is (n // M, n % M)); ``ctas``, ``diag``, ``q_tma``,
-    ``q_late``, ``q_prefetch``, ``skip_holes`` and ``row_copies`` are fwd_kernel_pp's options; ``bstamp`` its query-boundary stamp
-    macro (diag="traceb"). Only the producer copies from global memory into Q, the stages and the index rows."""
+    ``q_late``, ``q_prefetch``, ``skip_holes`` and ``row_copies`` are fwd_kernel_pp's options; ``bstamp`` its
+    query-boundary stamp macro (diag="traceb"). Only the producer copies from global memory into Q, the stages and
+    the index rows."""
     P = ctas > 0
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     NP = TP // BI // 2
@@ -149,6 +150,9 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                 if TB:
                     if i == 0:
                         bstamp(13 + 2 * s + h, t0s, Lse, bi, mi)
+                if SW or RC:                            # (the second of the two, after the wait: where TileLang
+                    if h == L:                          # puts it before its own copies)
+                        T.sync_threads(5, 128)
                 if diag == "compute":
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
@@ -156,14 +160,10 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                         gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
                 elif SW:                                # the stage's bytes written, none read from KV
-                    if h == L:
-                        T.sync_threads(5, 128)
                     gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                     T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
                     T.barrier_arrive(ready[2 * s + h])
                 else:
-                    if RC and h == L:
-                        T.sync_threads(5, 128)
                     gather_half(tp, s, h, kv_s, src, KV, bi, gp)
                     if diag == "nolatency":             # ready at once, before the rows land
                         T.barrier_arrive(ready[2 * s + h])
