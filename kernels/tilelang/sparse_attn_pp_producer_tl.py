@@ -2,8 +2,8 @@
 §10.5): warpgroup 2, which alone reads Q, KV and the index rows from global memory. For each query it copies the
 index row and Q into shared memory, then gathers the KV rows of its blocks into the two stages in D halves, in the
 order the consumers free them; on the persistent grid it also loads the next query's index row and Q. The consumers
-(the QK, softmax and P V of each pair) and the barriers both sides share are in ``sparse_attn_pp_tl``; its docstrings
-say what each option and ablation here was for and what it measured."""
+(the QK, softmax and P V of each pair) are in ``sparse_attn_pp_consumer_tl``, the barriers both sides share in
+``sparse_attn_pp_tl``, whose docstrings say what each option and ablation here was for and what it measured."""
 import tilelang.language as T
 
 from .sparse_attn_tl import I32
