@@ -132,8 +132,6 @@ PP_TRACEB_EXTRA = ({}, dict(q_late=True, q_prefetch=True))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="smemwrite"),
                   dict(diag="smemwrite_quarter"), dict(diag="nosoftmax"), dict(diag="nostore"))
-# the "attnholes" section's options on top of the default path's persistent pp kernel
-PP_HOLES_OPTS = (dict(row_copies=True), dict(skip_holes=True))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
 PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))
 
@@ -226,14 +224,6 @@ def attention_nreg(results, args):
     path's persistent pp kernel (its FWD_PP_BOUNDARY options)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     _pp_rounds(results, args, tuple(dict(ctas=132, nreg=n, **sa.FWD_PP_BOUNDARY) for n in PP_NREG_SPLITS))
-
-
-def attention_holes(results, args):
-    """As attention_pp, for the default path's persistent pp kernel (FWD_PP_BOUNDARY's options) with each of
-    PP_HOLES_OPTS on top (``row_copies``: a row half's pieces as one inline-PTX block, the same bits; ``skip_holes``:
-    the same, and holes' slots not zero-filled after a CTA's first pair, the same bits on finite KV)."""
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    _pp_rounds(results, args, tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in PP_HOLES_OPTS))
 
 
 def attention_bound(results, args):

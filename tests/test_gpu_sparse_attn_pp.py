@@ -109,39 +109,6 @@ def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
-@pytest.mark.parametrize("opts", [dict(ctas=0), dict(ctas=7), dict(ctas=7, late_s0=True, o_in_p=True),
-                                  dict(ctas=132, late_s0=True, o_in_p=True)],
-                         ids=["one_cta", "persistent7", "persistent7_o_in_p", "persistent132_o_in_p"])
-@pytest.mark.parametrize("shape", PP_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("copy", ["skip_holes", "row_copies"])
-def test_sparse_attn_fwd_pp_skip_holes(shape, opts, copy):
-    """The producer's inline-PTX row copies (``row_copies``: a row half's pieces as one block, holes zero-filled as
-    the default's) must give the default kernel's bits. skip_holes: a hole's slot is zero-filled only in a CTA's
-    first pair and keeps a stale row after that; its score is -inf all the same, so the bits must be the
-    zero-filled kernel's too. The inputs here hold 40% holes (and
-    the runs of holes of _pp_inputs), and a persistent CTA of 7 runs many queries, so most hole slots hold rows of
-    earlier blocks and queries, or (o_in_p) pieces of an earlier query's O staged in stage 1. 3% of the indices are
-    out of range (>= N): those are no holes (their score is Q . 0), so their slots must be zero-filled every time, as
-    the default kernel's bounds check does (skip_holes' copies check the range themselves)."""
-    _need_tilelang()
-    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
-    B, M, H, D, N, T = shape
-    q, kv, sink, idx = _pp_inputs(shape, seed=18)
-    g = torch.Generator(device=DEV).manual_seed(19)
-    u = torch.rand(idx.shape, device=DEV, generator=g)
-    idx = idx.masked_fill(u < 0.4, -1).masked_fill((u >= 0.4) & (u < 0.43), N + 3)
-    scale = D ** -0.5
-    if not pp_fits(H, D, T, **opts):
-        with pytest.raises(ValueError, match="shared memory"):     # (o_in_p's extra piece beside two 1280-slot rows)
-            fwd_kernel_pp(H, D, T, scale, **{copy: True}, **opts)
-        return
-    o, lse = fwd_kernel_pp(H, D, T, scale, **opts)(q, kv, sink.float(), idx)
-    for _ in range(2):
-        o2, lse2 = fwd_kernel_pp(H, D, T, scale, **{copy: True}, **opts)(q, kv, sink.float(), idx)
-        assert torch.equal(o2, o) and torch.equal(lse2, lse)
-    assert (o[(idx < 0).all(-1)] == 0).all()
-
-
 def _attn_fp64(q, kv, sink, idx, scale):
     """The exact forward in fp64: softmax over the valid slots and the sink (denominator only), all-hole rows 0."""
     B = q.shape[0]
@@ -302,9 +269,6 @@ def test_sparse_attn_fwd_pp_option_errors():
         pp.fwd_kernel_pp(64, 512, 640, 0.1, ctas=-1)
     with pytest.raises(ValueError, match="lazy"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, lazy=40.0)
-    for copy in ("skip_holes", "row_copies"):
-        with pytest.raises(ValueError, match="smemwrite"):
-            pp.fwd_kernel_pp(64, 512, 640, 0.1, diag="smemwrite", **{copy: True})
     with pytest.raises(ValueError, match="late_s0"):
         pp.fwd_kernel_pp(64, 512, 640, 0.1, late_s0=True)
     with pytest.raises(ValueError, match="o_in_p"):

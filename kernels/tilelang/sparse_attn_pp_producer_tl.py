@@ -25,46 +25,22 @@ __device__ __forceinline__ void dsv41_st_shared_zero16(void* p) {
 """
 
 
-def _pred_row_src(cph: int, stride: int) -> str:
-    """The row_copies / skip_holes copy of one row half's ``cph`` 16-byte pieces by thread:
-    ``dsv41_cp_async_row_pred_<cph>_<stride><COL>(smem, base, row, valid, write)``, one inline-PTX block of ``cph``
-    cp.asyncs under one predicate (no branch), issued only where ``write`` is set and reading where ``valid`` is
-    set, else zero-filling (src-size 0, nothing read). TileLang's conditional copy always issues (zero-filling where
-    its bounds check fails); an ``if`` around the copies was slower (runs 147, 149). Piece u goes from global base +
-    row + COL + 128 u (COL and 128 u immediates in the instruction, as in the default's copies) to shared ``smem`` +
-    ``stride`` u (the next 64-column panel of the swizzled stage: BI x 128 bytes on)."""
-    ops = "\\n".join(f" @p cp.async.cg.shared.global [%0+{u * stride}], [%1+%{4 + u}], 16, %2;" for u in range(cph))
-    cols = ", ".join(f'"n"(COL + {u * 128})' for u in range(cph))
-    return f"""
-template <int COL>
-__device__ __forceinline__ void dsv41_cp_async_row_pred_{cph}_{stride}(void* smem, const void* base, long long row,
-                                                                      int valid, int write) {{
-  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const char* rp = static_cast<const char*>(base) + row;
-  asm volatile("{{\\n .reg .pred p;\\n setp.ne.b32 p, %3, 0;\\n{ops}\\n}}\\n"
-               : : "r"(addr), "l"(rp), "r"(valid ? 16 : 0), "r"(write), {cols} : "memory");
-}}
-"""
-
-
 def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: str, *, q_tma: bool,
-                   q_late: bool, q_prefetch: bool, skip_holes: bool, row_copies: bool, bstamp):
+                   q_late: bool, q_prefetch: bool, bstamp):
     """fwd_kernel_pp's producer warpgroup (warpgroup 2, ``nreg`` registers a thread), as the TileLang macro
     ``producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi, t0s, Lse)``:
     copies each query's index row and Q [H, D] into shared memory, then gathers its KV blocks (BI rows of D
     columns, stage s = block parity) in D halves, in the order the consumers free them. ``M`` is the kernel's
     dynamic query count (a query n of the persistent grid is (n // M, n % M)); ``ctas``, ``diag``, ``q_tma``,
-    ``q_late``, ``q_prefetch``, ``skip_holes`` and ``row_copies`` are fwd_kernel_pp's options; ``bstamp`` its
-    query-boundary stamp macro (diag="traceb"). Only the producer copies from global memory into Q, the stages and
+    ``q_late`` and ``q_prefetch`` are fwd_kernel_pp's options; ``bstamp`` its query-boundary stamp macro
+    (diag="traceb"). Only the producer copies from global memory into Q, the stages and
     the index rows."""
     P = ctas > 0
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     NP = TP // BI // 2
     DH = D // 2
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
-    PRED_ROW = f"dsv41_cp_async_row_pred_{CPH}_{BI * 128}"     # the copy of a row half (_pred_row_src)
-    QT, QL, QP, SH = bool(q_tma), bool(q_late), bool(q_prefetch), bool(skip_holes)
-    RC = SH or bool(row_copies)         # a row half's pieces as one inline-PTX block (skip_holes: a predicated one)
+    QT, QL, QP = bool(q_tma), bool(q_late), bool(q_prefetch)
     TB = diag == "traceb"
     SW = diag in ("smemwrite", "smemwrite_quarter")
     L, R = 0, 1
@@ -78,39 +54,24 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
 
     @T.macro
-    def gather_half(tp, s, h, kv_s, src, KV, bi, gp):
+    def gather_half(tp, s, h, kv_s, src, KV, bi):
         """The block's BI rows (their indices in src), columns of half h, into stage s (thread tp of 128: 8 threads a
-        row, 16 rows a pass); gp is the CTA's pair count. A hole (-1) fails the copy's bounds check: zero-filled, not
-        read; ``skip_holes``: only in the CTA's first pair (gp == 0), its slot left as it was after that.
-        ``row_copies`` / ``skip_holes``: a row half's pieces issued as one inline-PTX block (``_pred_row_src``).
-        diag="smemwrite": the same 16-byte pieces at the same addresses, from the same threads, written as zeros by
-        generic stores, nothing read from KV; "smemwrite_quarter": only the first of each thread's CPH pieces a row
-        (a quarter of the bytes at D = 512, the rest of the stage left as it was)."""
+        row, 16 rows a pass). A hole (-1) fails the copy's bounds check: zero-filled, not read. diag="smemwrite": the
+        same 16-byte pieces at the same addresses, from the same threads, written as zeros by generic stores, nothing
+        read from KV; "smemwrite_quarter": only the first of each thread's CPH pieces a row (a quarter of the bytes at
+        D = 512, the rest of the stage left as it was)."""
         for r in T.unroll(BI // 16):
             row = r * 16 + tp // 8
-            if RC:
-                # the row half's pieces in one predicated block (_pred_row_src; the stage declared a read, as for
-                # smemwrite, query_gathers placing the two barriers by hand). KV's address is its base + the
-                # thread's row bytes + the half's column bytes, a template constant: TileLang then wraps no bounds
-                # check of its own around the call, and the columns are immediate offsets, as in the default's
-                # copies. Read only in [0, N), as that check does (an index >= N or a hole is zero-filled);
-                # skip_holes: a hole (-1) skipped past the CTA's first pair
-                T.call_extern("handle", f"{PRED_ROW}<{h * DH * 2}>",
-                              T.access_ptr(kv_s[s, row, h * DH + (tp % 8) * 8], "r", 8), KV.data,
-                              (T.cast(bi, "int64") * KV.shape[1] + src[r]) * (D * 2) + (tp % 8) * 16,
-                              T.if_then_else(T.And(src[r] >= 0, src[r] < KV.shape[1]), 1, 0),
-                              T.if_then_else(T.Or(src[r] >= 0, gp == 0), 1, 0) if SH else 1)
-            else:
-                for u in T.unroll(1 if diag == "smemwrite_quarter" else CPH):
-                    col = h * DH + u * 64 + (tp % 8) * 8
-                    if SW:
-                        # (declared a read: as a write, TileLang's sync planner put a producer-warpgroup barrier
-                        # before every row's stores, which the gathers do not have (run 144); query_gathers places
-                        # the gathers' own two barriers a stage by hand instead)
-                        T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "r", 8))
-                    else:
-                        T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
-                                       T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
+            for u in T.unroll(1 if diag == "smemwrite_quarter" else CPH):
+                col = h * DH + u * 64 + (tp % 8) * 8
+                if SW:
+                    # (declared a read: as a write, TileLang's sync planner put a producer-warpgroup barrier before
+                    # every row's stores, which the gathers do not have (run 144); query_gathers places the gathers'
+                    # own two barriers a stage by hand instead)
+                    T.call_extern("handle", "dsv41_st_shared_zero16", T.access_ptr(kv_s[s, row, col], "r", 8))
+                else:
+                    T.ptx_cp_async(T.access_ptr(kv_s[s, row, col], "w", 8),
+                                   T.access_ptr(KV[bi, src[r], col], "r", 8), 8)
 
     @T.macro
     def load_row(tp, bi, mi, ib, idx_s, Idx):
@@ -143,28 +104,28 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
                 if h == L:                              # (before the wait: not on the path from free to the copies)
-                    if SW or RC:                        # smemwrite, row copies: the gathers' producer barriers,
-                        T.sync_threads(5, 128)          # placed by hand
+                    if SW:                              # smemwrite: the gathers' producer barriers, placed by
+                        T.sync_threads(5, 128)          # hand
                     load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if TB:
                     if i == 0:
                         bstamp(13 + 2 * s + h, t0s, Lse, bi, mi)
-                if SW or RC:                            # (the second of the two, after the wait: where TileLang
+                if SW:                                  # (the second of the two, after the wait: where TileLang
                     if h == L:                          # puts it before its own copies)
                         T.sync_threads(5, 128)
                 if diag == "compute":
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
                     else:
-                        gather_half(tp, s, h, kv_s, src, KV, bi, gp)
+                        gather_half(tp, s, h, kv_s, src, KV, bi)
                         T.cp_async_barrier_noinc(ready[2 * s + h])
                 elif SW:                                # the stage's bytes written, none read from KV
-                    gather_half(tp, s, h, kv_s, src, KV, bi, gp)
+                    gather_half(tp, s, h, kv_s, src, KV, bi)
                     T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
                     T.barrier_arrive(ready[2 * s + h])
                 else:
-                    gather_half(tp, s, h, kv_s, src, KV, bi, gp)
+                    gather_half(tp, s, h, kv_s, src, KV, bi)
                     if diag == "nolatency":             # ready at once, before the rows land
                         T.barrier_arrive(ready[2 * s + h])
                     else:
@@ -190,8 +151,6 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             T.import_source(_PREFETCH_SRC)
         if SW:
             T.import_source(_ZERO16_SRC)
-        if RC:
-            T.import_source(_pred_row_src(CPH, BI * 128))
         src = T.alloc_local([BI // 16], I32)
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
         mq = T.alloc_local([1], I32) if TB or QL else None  # traceb, q_late: the query's row

@@ -69,10 +69,14 @@ H200 run 143: 527.1 against 526.9), so the rows' flight from L2 is not what the 
 same producer path and shared-memory writes, of zeros, with no reads from L2) runs at 558 against the default's 540
 and compute's 632, and "smemwrite_quarter" (a quarter of those writes behind the same barriers) at 650 (H100 run
 145, medians of 8): the L2 reads cost ~3%, the stages' shared-memory writes the rest. Getting 128 KB a pair into
-shared memory while the WGMMAs read theirs (~416 KB a pair) is what the consumers wait for. Fewer bytes do not pay
-by themselves: ``skip_holes`` (below: nothing written into a hole's slot after a CTA's first pair, 10% fewer
-writes) ran 1.5-1.9% slower as a branch around each row's copies (runs 147 and 149): the producer's path weighs
-too. ``row_copies`` (below) shortens that path, with the same bits.
+shared memory while the WGMMAs read theirs (~416 KB a pair) is what the consumers wait for. It is the bytes, not
+the producer's instructions: the producer issuing each row half's four copies as one block of inline PTX (108
+instructions a pair on its paths from a stage half's free wait to its ready arrival, against TileLang's 278 in the
+SASS; the same bits) ran 1.4% slower, and not writing a hole's slot after a CTA's first pair (10% fewer writes,
+the same bits on finite KV) gained 0.9% on top of that block, so nothing over the default (H100 run 150, medians
+of 16 interleaved rounds; as a branch around each row's copies it had lost 1.5-1.9%, runs 147 and 149). Neither was
+kept (``row_copies`` and ``skip_holes``, the code in 6e49dbc). With 64 heads a gathered row carries half the
+flops it does in FlashMLA's 128-head sparse prefill, and each slot's row is written into shared memory once.
 Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in
 baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so
 merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
@@ -125,8 +129,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False,
-                  skip_holes: bool = False, row_copies: bool = False):
+                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -205,31 +208,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     519.1; stage 0 still lands ~4200 cycles after its free, so queueing behind Q is not what holds it back).
     These four stay opt-in and off; their runs are in BENCHMARKS.md (runs 139-142).
 
-    ``skip_holes``: a hole's slot (index -1) is zero-filled in the CTA's first pair only; after that the producer
-    copies nothing into it, so it keeps a row an earlier block of this CTA gathered (or the first pair's zeros). Its
-    score is still -inf (the QK accumulator is seeded with -inf there), so its P is exactly 0 and so is its share of
-    P V: the same bits wherever that stale row is finite, which it is unless KV itself holds an Inf or NaN (then a
-    NaN can reach a query that does not index that row; with zero-filled holes it reaches only the queries that
-    do), or Q K over a stale row overflows fp32. Why: run 145 put the stages' shared-memory writes at most of what
-    the gathers cost (``diag="smemwrite"``: the same writes, of zeros, with no L2 reads, 558 TFLOP/s against the
-    default's 540 and compute's 632; a quarter of those writes, 650), and the holes' zero-fills are such writes
-    (10.3% of the slots of the bench's release inputs; more for a prefill's first queries, whose compressed
-    entries are fewer than the top-k). First built as an ``if`` around each row's four copies (the code in 59b5749):
-    slower (H100, release shape, medians of 16 interleaved rounds: 521.8 against the default's 531.7 in run 147,
-    524.4 against 532.5 in run 149, slower in 27 of 32 rounds), so those branches on the producer's path cost more
-    than the 10% of writes saved. Now it takes ``row_copies``' copies (below), each row half's block under the
-    predicate "not a hole, or the CTA's first pair". Not yet measured. Opt-in and off.
-
-    ``row_copies``: the producer issues each row half's pieces (4 at D = 512) as one block of inline PTX
-    (``_pred_row_src`` in the producer's file): one predicate, the global address as the thread's row pointer with
-    the columns as immediate offsets, reading where the index is in [0, N) and zero-filling otherwise, as TileLang's
-    own conditional copy does; the same bits. Why: runs 147-149 suggest that the producer's instructions between a
-    stage half's free wait and its ready arrival are on the chain, and TileLang's copies recompute each piece's
-    64-bit address and bounds check. The SASS (compiled here, ``nvdisasm``) has 108 instructions a pair on those
-    paths against the default's 278 (skip_holes: 156; its branch version 492). The stage is declared read, not
-    written, so its two producer barriers a stage are placed by hand, as for ``diag="smemwrite"`` (with its one
-    extra producer barrier a query). Not yet measured. Opt-in and off.
-
     ``diag`` (benchmark ablations only, wrong outputs): "compute" = the producer gathers the first pair only and then
     re-signals the stages (stale rows: the compute alone); "gather" = the consumers compute nothing, they wait for
     each stage half and free it at once (the gathers alone, at this kernel's two stages; no O or LSE written);
@@ -268,9 +246,6 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
     for name, on in (("late_s0", late_s0), ("q_tma", q_tma), ("q_late", q_late), ("q_prefetch", q_prefetch)):
         if on and not ctas:
             raise ValueError(f"fwd_kernel_pp: {name} needs the persistent grid (ctas > 0)")
-    if (skip_holes or row_copies) and diag in ("smemwrite", "smemwrite_quarter"):
-        raise ValueError(f"fwd_kernel_pp: diag={diag!r} writes its own stores in place of the copies that skip_holes "
-                         "and row_copies change")
     if s0_first and not o_in_p:
         raise ValueError("fwd_kernel_pp: s0_first needs o_in_p")
     if diag == "nostore" and not late_s0:
@@ -320,8 +295,8 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
                               o_in_p=o_in_p, s0_first=s0_first, stamp=stamp, bstamp=bstamp)
 
     # warpgroup 2: the index rows, Q and the KV gathers (the one role that reads Q, KV and Idx)
-    producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late, skip_holes=skip_holes,
-                              row_copies=row_copies, q_prefetch=q_prefetch, bstamp=bstamp)
+    producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late, q_prefetch=q_prefetch,
+                              bstamp=bstamp)
 
     @T.macro
     def cta_body(cta, bi, mi, Q, KV, Sink, Idx, O, Lse):
