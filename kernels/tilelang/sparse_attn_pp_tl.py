@@ -19,10 +19,11 @@ What makes it work where ``fwd_kernel_seesaw`` (the same idea, 164-278 TFLOP/s) 
   in-flight WGMMA makes ptxas serialise every WGMMA, C7514), and every WGMMA operand is offset by a runtime zero
   read from shared memory each iteration (``zs``), so ptxas cannot hoist the loop-invariant WGMMA descriptors out
   of the loop and spill them (56 bytes of spill left, against the seesaw's 2.3 KB);
-- the consumers get 224 registers, the producer 56 (setmaxnreg; 2 * 224 + 56 = 504, the pool of 384 threads; the
-  split was 216 / 72 until run 95. Against it, 224 / 56 measured +1.5%, +1.6%, +2.2% and -1.0% in four sets of
-  interleaved rounds on an H100, the same bits: within the noise, if anything a little faster; 232 / 40 and
-  240 / 24 were no faster, runs 95-97, ``bench --only attnnreg``).
+- the consumers get 232 registers, the producer 40 (setmaxnreg; 2 * 232 + 40 = 504, the pool of 384 threads; ptxas
+  reports no spills). The split was 216 / 72 until run 95 and 224 / 56 until run 156, each change a small gain with
+  the same bits (``bench --only attnnreg``, H100, interleaved rounds): 224 / 56 over 216 / 72 +1.5%, +1.6%, +2.2%
+  and -1.0% in four sets (runs 95-97, where 232 / 40 and 240 / 24 were no faster); 232 / 40 over 224 / 56 +1.5% and
+  +0.7% in medians of 16 on two machines, faster in 24 of 32 rounds (runs 155-156); 240 / 24 is 2-3% slower.
 
 Measured (H200 runs 48-56), and every schedule change tried and not kept since, with its run and the commit that
 holds its code: BENCHMARKS.md, "fwd_kernel_pp: measured, and tried and not kept".
@@ -127,7 +128,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (224, 56), diag: str = "",
+def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (232, 40), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
                   q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
