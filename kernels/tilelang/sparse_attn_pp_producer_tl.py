@@ -33,8 +33,7 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
     columns, stage s = block parity) in D halves, in the order the consumers free them. ``M`` is the kernel's
     dynamic query count (a query n of the persistent grid is (n // M, n % M)); ``ctas``, ``diag``, ``q_tma``,
     ``q_late`` and ``q_prefetch`` are fwd_kernel_pp's options; ``bstamp`` its query-boundary stamp macro
-    (diag="traceb"). Only the producer copies from global memory into Q, the stages and
-    the index rows."""
+    (diag="traceb"). Only the producer copies from global memory into Q, the stages and the index rows."""
     P = ctas > 0
     NB = 2 if P else 1                  # index rows in shared memory (persistent: the next query's beside)
     NP = TP // BI // 2
@@ -103,17 +102,18 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
         for i in T.serial(NP):
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
+                # smemwrite: the gathers' two producer barriers a stage, placed by hand: one before the index reads,
+                # one after the free wait (where TileLang puts it before its own copies)
                 if h == L:                              # (before the wait: not on the path from free to the copies)
-                    if SW:                              # smemwrite: the gathers' producer barriers, placed by
-                        T.sync_threads(5, 128)          # hand
+                    if SW:
+                        T.sync_threads(5, 128)
                     load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if TB:
                     if i == 0:
                         bstamp(13 + 2 * s + h, t0s, Lse, bi, mi)
-                if SW:                                  # (the second of the two, after the wait: where TileLang
-                    if h == L:                          # puts it before its own copies)
-                        T.sync_threads(5, 128)
+                if SW and h == L:
+                    T.sync_threads(5, 128)
                 if diag == "compute":
                     if gp > 0:
                         T.barrier_arrive(ready[2 * s + h])
