@@ -130,7 +130,8 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (232, 40), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False):
+                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False,
+                  tma_runs: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -240,7 +241,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
     if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore", "smemwrite",
-                    "smemwrite_quarter"):
+                    "smemwrite_quarter", "tma_all"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
@@ -297,7 +298,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     # warpgroup 2: the index rows, Q and the KV gathers (the one role that reads Q, KV and Idx)
     producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late, q_prefetch=q_prefetch,
-                              bstamp=bstamp)
+                              tma_runs=tma_runs, bstamp=bstamp)
 
     @T.macro
     def cta_body(cta, bi, mi, Q, KV, Sink, Idx, O, Lse):
