@@ -18,8 +18,7 @@ import torch
 
 from ._bench_common import bench, positive_int, row
 from .bench_attn import (attention_bound, attention_bwd, attention_cl, attention_diag, attention_fwd,
-                         attention_nreg, attention_pp, attention_runs, attention_tail, attention_trace,
-                         attention_trace_boundary)
+                         attention_nreg, attention_pp, attention_tail, attention_trace, attention_trace_boundary)
 from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
                          gemm_tail, gemm_wide, gemm_wrapper, gemms)
 
@@ -324,7 +323,6 @@ SECTIONS = {
     "attnpp": attention_pp,
     "attnnreg": attention_nreg,
     "attnbound": attention_bound,
-    "attnruns": attention_runs,
     "attntail": attention_tail,
     "attntrace": attention_trace,
     "attntraceb": attention_trace_boundary,
@@ -353,7 +351,7 @@ def main(argv=None):
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ",".join(SECTIONS))
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--rounds", type=positive_int, default=3,
-                   help="attnpp, attnnreg, attnbound, attnruns: interleaved rounds of their rows, summarised by "
+                   help="attnpp, attnnreg, attnbound: interleaved rounds of their rows, summarised by "
                         "median, min and max (default 3)")
     p.add_argument("--attn-data", choices=("random", "settled"), default="random",
                    help="the attention sections' KV rows: random normal (default), or 'settled': the window's rows x4, "

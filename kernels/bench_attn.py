@@ -132,8 +132,6 @@ PP_TRACEB_EXTRA = ({}, dict(q_late=True, q_prefetch=True))
 # the "attnbound" section's ablations of the default path's persistent pp kernel
 PP_BOUND_DIAGS = (dict(diag="gather"), dict(diag="compute"), dict(diag="nolatency"), dict(diag="smemwrite"),
                   dict(diag="smemwrite_quarter"), dict(diag="nosoftmax"), dict(diag="nostore"))
-# the "attnruns" section's variants of the default path's persistent pp kernel: runs by TMA, and every block by TMA
-PP_RUNS_OPTS = (dict(tma_runs=True), dict(diag="tma_all"))
 # the "attnnreg" section's register splits (fwd_kernel_pp's ``nreg``: 2 * consumers' + producer's <= 504)
 PP_NREG_SPLITS = ((216, 72), (224, 56), (232, 40), (240, 24))
 
@@ -226,34 +224,6 @@ def attention_nreg(results, args):
     path's persistent pp kernel (its FWD_PP_BOUNDARY options)."""
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     _pp_rounds(results, args, tuple(dict(ctas=132, nreg=n, **sa.FWD_PP_BOUNDARY) for n in PP_NREG_SPLITS))
-
-
-def _block_kinds(idx, BI=64):
-    """The fractions of idx's BI-slot blocks that are runs (b, b + 1, ..., all in [0, N)) and all holes."""
-    blk = idx.view(*idx.shape[:-1], -1, BI)
-    run = (blk == blk[..., :1] + torch.arange(BI, device=idx.device)).all(-1) & (blk[..., 0] >= 0)
-    return run.float().mean().item(), (blk < 0).all(-1).float().mean().item()
-
-
-def attention_runs(results, args):
-    """fwd_kernel_pp's ``tma_runs`` (a block whose indices are a run of consecutive rows, as a query's sliding window
-    is, or all holes, loaded by four TMA tiles a stage half instead of 1024 row copies) against the default path,
-    and ``diag="tma_all"`` (every block loaded by TMA from its first row's run, whatever it holds: wrong outputs, the
-    ceiling if every block were a run), interleaved over ``args.rounds`` rounds at the release shape; then the
-    default against tma_runs on the same inputs with each index row shuffled (no runs: what the per-block check
-    costs where it never pays)."""
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    a = _attn_release_inputs(args)
-    opts = tuple(dict(ctas=132, **sa.FWD_PP_BOUNDARY, **d) for d in PP_RUNS_OPTS)
-    runs, holes = _block_kinds(a["idx"])
-    print(f"  release inputs: {runs:.1%} of the 64-slot blocks are runs, {holes:.1%} all holes", flush=True)
-    _pp_rounds(results, args, opts, a)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    perm = torch.rand(a["idx"].shape, device="cuda", generator=g).argsort(-1)
-    shuffled = dict(a, idx=a["idx"].gather(-1, perm).contiguous())
-    runs, holes = _block_kinds(shuffled["idx"])
-    print(f"  shuffled index rows: {runs:.1%} runs, {holes:.1%} all holes", flush=True)
-    _pp_rounds(results, args, opts[:1], shuffled)
 
 
 def attention_bound(results, args):

@@ -14,7 +14,7 @@ the set of compiled kernels, which is printed (a kernel already in the cache loa
     .venv/bin/python scripts/precompile_kernels.py gemm       # tests/test_gpu_gemm.py + the GEMM bench sections
     .venv/bin/python scripts/precompile_kernels.py tests tests/test_gpu_sparse_attn.py -k sp   # any pytest args
     .venv/bin/python scripts/precompile_kernels.py attn-bench # the attention forward's bench rows (attndiag)
-    .venv/bin/python scripts/precompile_kernels.py attn-pp    # the bench's attnpp, attnnreg, attnbound, attnruns rows
+    .venv/bin/python scripts/precompile_kernels.py attn-pp    # the bench's attnpp, attnnreg, attnbound rows
 
 ``--keys-out FILE`` adds the cache keys of every kernel a run compiled or loaded to FILE; ``KEEP=FILE
 scripts/pack_tl_cache.sh`` then packs only those kernels (the whole cache holds every kernel ever compiled here, and
@@ -330,9 +330,9 @@ def attn_bench():
 
 
 def attn_pp():
-    """The kernels of the bench's "attnpp", "attnnreg", "attnbound" and "attnruns" sections at the release shape: the
-    default forward and the persistent pp kernel with each of PP_ROUND_OPTS, each register split of PP_NREG_SPLITS,
-    each ablation of PP_BOUND_DIAGS and each of PP_RUNS_OPTS."""
+    """The kernels of the bench's "attnpp", "attnnreg" and "attnbound" sections at the release shape: the default
+    forward and the persistent pp kernel with each of PP_ROUND_OPTS, each register split of PP_NREG_SPLITS and each
+    ablation of PP_BOUND_DIAGS."""
     from functional_dsv41.kernels import bench_attn as ba
     from functional_dsv41.kernels.tilelang import sparse_attn_pp_tl as pp
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
@@ -345,8 +345,6 @@ def attn_pp():
     for nreg in ba.PP_NREG_SPLITS:                  # attnnreg
         pp.fwd_kernel_pp(H, D, 640, scale, ctas=132, nreg=nreg, **sa.FWD_PP_BOUNDARY)
     for d in ba.PP_BOUND_DIAGS:                     # attnbound
-        pp.fwd_kernel_pp(H, D, 640, scale, ctas=132, **sa.FWD_PP_BOUNDARY, **d)
-    for d in ba.PP_RUNS_OPTS:                       # attnruns
         pp.fwd_kernel_pp(H, D, 640, scale, ctas=132, **sa.FWD_PP_BOUNDARY, **d)
 
 

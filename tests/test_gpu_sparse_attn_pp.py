@@ -109,67 +109,6 @@ def test_sparse_attn_fwd_pp_persistent(shape, ctas, opts):
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
-def _runs_inputs(shape, seed=21):
-    """test_sparse_attn_fwd_pp_tma_runs's operands: random rows with 64-slot blocks made into what ``tma_runs``
-    loads by TMA (a run b..b+63 in bounds, the last ending at N - 1 exactly; all holes) and into near misses that it
-    must copy row by row (a run with one slot changed, a run starting at -1, a descending run, a run of holes with
-    one real row), plus sliding-window rows (i - T + 1 .. i, -1 before 0: runs, all-hole and mixed blocks)."""
-    B, M, H, D, N, T = shape
-    q, kv, sink, idx = _attn_inputs(*shape, seed=seed)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    ar = torch.arange(64, device=DEV, dtype=torch.int32)
-    nb = T // 64
-    for b in range(B):
-        for m in range(M):
-            j = (m + b) % nb                              # the block this row's case goes to
-            b0 = int(torch.randint(0, N - 63, (1,), generator=g, device=DEV))
-            case = (m + 2 * b) % 8
-            if case == 0:
-                idx[b, m, j * 64:(j + 1) * 64] = b0 + ar             # a run
-            elif case == 1:
-                idx[b, m, j * 64:(j + 1) * 64] = N - 64 + ar         # a run ending at N - 1
-            elif case == 2:
-                idx[b, m, j * 64:(j + 1) * 64] = -1                  # all holes
-            elif case == 3:
-                idx[b, m, j * 64:(j + 1) * 64] = b0 + ar
-                idx[b, m, j * 64 + 37] = (b0 + 40) % N               # a run but for one slot
-            elif case == 4:
-                idx[b, m, j * 64:(j + 1) * 64] = ar - 1              # -1, 0, 1, ..., 62
-            elif case == 5:
-                idx[b, m, j * 64:(j + 1) * 64] = b0 + 63 - ar        # descending
-            elif case == 6:
-                idx[b, m, j * 64:(j + 1) * 64] = -1
-                idx[b, m, j * 64 + 63] = b0                          # holes but for one row
-            else:
-                idx[b, m] = torch.arange(m - T + 1, m + 1, device=DEV, dtype=torch.int32).clamp_min(-1)
-    return q, kv, sink, idx
-
-
-@pytest.mark.parametrize("ctas", [0, 7, 132])
-@pytest.mark.parametrize("shape", [(2, 40, 64, 512, 700, 640), (3, 37, 64, 256, 333, 256)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_sparse_attn_fwd_pp_tma_runs(shape, ctas):
-    """``tma_runs``: a block whose 64 indices are a run of consecutive KV rows (or all holes) lands by TMA tiles
-    instead of row copies. The same bytes land in the same layout, so the bits must be the plain kernel's, on one
-    CTA a query and on the persistent grid (with the default path's boundary options), launch after launch; and the
-    row copies must still take every block that is not quite a run (``_runs_inputs``)."""
-    _need_tilelang()
-    from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
-    from functional_dsv41.kernels.tilelang.sparse_attn_pp_tl import fwd_kernel_pp, pp_fits
-    B, M, H, D, N, T = shape
-    q, kv, sink, idx = _runs_inputs(shape)
-    scale = D ** -0.5
-    opts = dict(ctas=ctas, tma_runs=True)
-    if ctas and pp_fits(H, D, T, ctas=ctas, **sa.FWD_PP_BOUNDARY):
-        opts.update(sa.FWD_PP_BOUNDARY)
-    plain, runs = fwd_kernel_pp(H, D, T, scale), fwd_kernel_pp(H, D, T, scale, **opts)
-    o, lse = plain(q, kv, sink.float(), idx)
-    _check_fwd_out(o, lse, q, kv, sink, idx, scale, 64, "pp")
-    for _ in range(3):
-        o2, lse2 = runs(q, kv, sink.float(), idx)
-        assert torch.equal(o2, o) and torch.equal(lse2, lse)
-
-
 def _attn_fp64(q, kv, sink, idx, scale):
     """The exact forward in fp64: softmax over the valid slots and the sink (denominator only), all-hole rows 0."""
     B = q.shape[0]

@@ -24,20 +24,9 @@ __device__ __forceinline__ void dsv41_st_shared_zero16(void* p) {
 }
 """
 
-# tma_runs: whether every thread of the producer warpgroup (128 threads, all of them here) passes a nonzero ``ok``: one
-# named barrier with an AND reduction (id 7: TileLang's own warpgroup barriers here take ids 3-5)
-_WG_ALL_SRC = r"""
-__device__ __forceinline__ int dsv41_wg_all(int ok) {
-  int all;
-  asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.s32 p, %1, 0;\n\tbar.red.and.pred q, 7, 128, p;\n\t"
-               "selp.s32 %0, 1, 0, q;\n\t}" : "=r"(all) : "r"(ok) : "memory");
-  return all;
-}
-"""
-
 
 def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, diag: str, *, q_tma: bool,
-                   q_late: bool, q_prefetch: bool, tma_runs: bool, bstamp):
+                   q_late: bool, q_prefetch: bool, bstamp):
     """fwd_kernel_pp's producer warpgroup (warpgroup 2, ``nreg`` registers a thread), as the TileLang macro
     ``producer(cta, NQ, zs, q_s, kv_s, idx_s, bar_q, bar_i, q_free, ready, free, Q, KV, Idx, bi, mi, t0s, Lse)``:
     copies each query's index row and Q [H, D] into shared memory, then gathers its KV blocks (BI rows of D
@@ -51,49 +40,17 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
     DH = D // 2
     CPH = DH // 64                      # 16-byte chunks a producer thread copies per row half (8 threads a row)
     QT, QL, QP = bool(q_tma), bool(q_late), bool(q_prefetch)
-    TA = diag == "tma_all"
-    TM = bool(tma_runs) or TA
     TB = diag == "traceb"
     SW = diag in ("smemwrite", "smemwrite_quarter")
     L, R = 0, 1
 
     @T.macro
-    def load_src(tp, j, idx_s, ib, src, run, ok, N):
+    def load_src(tp, j, idx_s, ib, src):
         """The indices of the BI // 16 rows of block j (index row ib) that thread tp gathers, into src: read once a
         block, for both its halves (TileLang puts a producer-warpgroup barrier before and after these shared reads,
-        against the cp.async writes around them). ``tma_runs``: run[0] = the block's first KV row b if its BI
-        indices are b, b + 1, ..., b + BI - 1, all in [0, N) (each thread checks its BI // 16 rows, one barrier
-        reduces over the warpgroup), N if they are all holes, else -1; diag="tma_all": b clamped into [0, N - BI],
-        whatever the block holds."""
+        against the cp.async writes around them)."""
         for r in T.unroll(BI // 16):
             src[r] = idx_s[ib, j * BI + r * 16 + tp // 8]
-        if TA:
-            run[0] = T.max(T.min(idx_s[ib, j * BI], N - BI), 0)
-        elif TM:
-            run[0] = idx_s[ib, j * BI]
-            ok[0] = 1                                   # a run b, b + 1, ...
-            ok[1] = 1                                   # all holes
-            for r in T.unroll(BI // 16):
-                if src[r] != run[0] + (r * 16 + tp // 8):
-                    ok[0] = 0
-                if src[r] != -1:
-                    ok[1] = 0
-            if run[0] < 0 or run[0] > N - BI:
-                ok[0] = 0
-            ok[0] = T.call_extern("int32", "dsv41_wg_all", ok[0])
-            if ok[0] == 0:                              # (the same in every thread: the branch is uniform)
-                if T.call_extern("int32", "dsv41_wg_all", ok[1]) != 0:
-                    run[0] = N
-                else:
-                    run[0] = -1
-
-    @T.macro
-    def tma_half(s, h, kv_s, KV, bi, run, ready):
-        """tma_runs: the block's BI rows run[0], run[0] + 1, ... (or, run[0] = N, rows past KV's end: zeros), columns
-        of half h, into stage s by TMA loads of 64 x 64 (one per 128-byte swizzle panel, issued by one thread), their
-        bytes expected on the half's ready barrier. The same bytes land where gather_half's copies put them."""
-        T.tma_copy(KV[bi, run[0]:run[0] + BI, h * DH:(h + 1) * DH], kv_s[s, :, h * DH:(h + 1) * DH],
-                   barrier=ready[2 * s + h], leader_scope_threads=128)
 
     @T.macro
     def gather_half(tp, s, h, kv_s, src, KV, bi):
@@ -141,8 +98,7 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
         T.cp_async_barrier_noinc(bar_q)
 
     @T.macro
-    def query_gathers(tp, k, ib, src, run, ok, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi, q_s, Q, bar_q,
-                      q_free):
+    def query_gathers(tp, k, ib, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi, q_s, Q, bar_q, q_free):
         for i in T.serial(NP):
             gp = k * NP + i
             for s, h in ((0, L), (0, R), (1, L), (1, R)):
@@ -151,7 +107,7 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                 if h == L:                              # (before the wait: not on the path from free to the copies)
                     if SW:
                         T.sync_threads(5, 128)
-                    load_src(tp, 2 * i + s, idx_s, ib, src, run, ok, KV.shape[1])
+                    load_src(tp, 2 * i + s, idx_s, ib, src)
                 T.barrier_wait(free[2 * s + h], (gp % 2) ^ 1)
                 if TB:
                     if i == 0:
@@ -168,12 +124,6 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                     gather_half(tp, s, h, kv_s, src, KV, bi)
                     T.fence_proxy_async()               # generic stores, read next by WGMMA (async proxy)
                     T.barrier_arrive(ready[2 * s + h])
-                elif TM:                                # a run (or all holes) by TMA, else the row copies
-                    if run[0] >= 0:
-                        tma_half(s, h, kv_s, KV, bi, run, ready)
-                    else:
-                        gather_half(tp, s, h, kv_s, src, KV, bi)
-                    T.cp_async_barrier_noinc(ready[2 * s + h])
                 else:
                     gather_half(tp, s, h, kv_s, src, KV, bi)
                     if diag == "nolatency":             # ready at once, before the rows land
@@ -201,11 +151,7 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             T.import_source(_PREFETCH_SRC)
         if SW:
             T.import_source(_ZERO16_SRC)
-        if TM and not TA:
-            T.import_source(_WG_ALL_SRC)
         src = T.alloc_local([BI // 16], I32)
-        run = T.alloc_local([1], I32) if TM else None  # tma_runs: the block's first row, N (holes) or -1
-        ok = T.alloc_local([2], I32) if TM and not TA else None
         bq = T.alloc_local([1], I32)                    # persistent: the query's batch row, computed once a query
         mq = T.alloc_local([1], I32) if TB or QL else None  # traceb, q_late: the query's row
         if P:
@@ -231,7 +177,7 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
                                           T.cast(n + ctas, "int64") * (H * D * 2), H * D * 2)
                             T.call_extern("handle", "dsv41_prefetch_l2", Idx.data,
                                           T.cast(n + ctas, "int64") * (TP * 4), TP * 4)
-                query_gathers(tp, k, k % NB, src, run, ok, kv_s, idx_s, ready, free, KV, bq[0], t0s, Lse,
+                query_gathers(tp, k, k % NB, src, kv_s, idx_s, ready, free, KV, bq[0], t0s, Lse,
                               mq[0] if TB or QL else 0, q_s, Q, bar_q, q_free)
                 if k < NQ - 1:
                     load_row(tp, (n + ctas) // M, (n + ctas) % M, (k + 1) % NB, idx_s, Idx)
@@ -247,8 +193,7 @@ def producer_macro(H: int, D: int, TP: int, BI: int, M, ctas: int, nreg: int, di
             load_row(tp, bi, mi, 0, idx_s, Idx)
             load_q(tp, bi, mi, q_s, Q, bar_q)             # (cp.async: bar_q covers the index row too)
             T.barrier_wait(bar_q, 0)                     # the whole index row is in idx_s
-            query_gathers(tp, 0, 0, src, run, ok, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi, q_s, Q, bar_q,
-                          q_free)
+            query_gathers(tp, 0, 0, src, kv_s, idx_s, ready, free, KV, bi, t0s, Lse, mi, q_s, Q, bar_q, q_free)
         if diag == "nolatency":                          # no copy may land after the CTA has exited
             T.ptx_commit_group()
             T.ptx_wait_group(0)

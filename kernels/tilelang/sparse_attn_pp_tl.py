@@ -79,7 +79,11 @@ of 16 interleaved rounds; as a branch around each row's copies it had lost 1.5-1
 kept (``row_copies`` and ``skip_holes``, the code in 6e49dbc). With 64 heads a gathered row carries half the
 flops it does in FlashMLA's 128-head sparse prefill, and each slot's row is written into shared memory once.
 Not by moving the gathers to TMA: row-panel TMA loads (128 bytes each) run at half the speed (run 106, the code in
-baba25d), and Hopper has no row-gather TMA. Cutting the WGMMAs' shared-memory reads does not help (run 103), so
+baba25d), and Hopper has no row-gather TMA. Nor is the cp.async path dearer per byte than TMA's: every block loaded
+as four 64 x 64 TMA tiles a stage half from its first row (``diag="tma_all"``, wrong outputs, the same bytes)
+ran at the default's speed, 528.7 against 531.2; and loading by TMA only the blocks that are runs of consecutive
+rows or all holes (``tma_runs``, the same bits; 38% of the bench's blocks) lost 3.6%, 7% on shuffled rows, to the
+per-block vote over the producer warpgroup that picks the path (H100 run 159, medians of 16; the code in 6d597d4). Cutting the WGMMAs' shared-memory reads does not help (run 103), so
 merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
 FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
 thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
@@ -130,8 +134,7 @@ def _pp_smem(H: int, D: int, TP: int, BI: int, rows: int = 1, o_in_p: bool = Fal
 @functools.lru_cache(maxsize=None)
 def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tuple = (232, 40), diag: str = "",
                   ctas: int = 0, lazy: float = 0.0, late_s0: bool = False, o_in_p: bool = False,
-                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False,
-                  tma_runs: bool = False):
+                  q_tma: bool = False, s0_first: bool = False, q_prefetch: bool = False, q_late: bool = False):
     """o, lse = fwd(q, kv, sink, idx), ping-pong schedule (384 threads); H == 64, TP a multiple of 2 * BI.
 
     Roles. Warpgroup 2, the producer: copies the query's index row and Q into shared memory (``bar_q``), then
@@ -241,7 +244,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
         raise ValueError("fwd_kernel_pp: shared memory over 227 KB")
     check_nreg("fwd_kernel_pp", nreg)
     if diag not in ("", "compute", "nosoftmax", "trace", "traceb", "gather", "nolatency", "nostore", "smemwrite",
-                    "smemwrite_quarter", "tma_all"):
+                    "smemwrite_quarter"):
         raise ValueError(f"fwd_kernel_pp: diag {diag!r}")
     if not isinstance(ctas, int) or ctas < 0:
         raise ValueError(f"fwd_kernel_pp: ctas must be 0 (a CTA a query) or the persistent grid's size, got {ctas!r}")
@@ -298,7 +301,7 @@ def fwd_kernel_pp(H: int, D: int, TP: int, scale: float, BI: int = 64, nreg: tup
 
     # warpgroup 2: the index rows, Q and the KV gathers (the one role that reads Q, KV and Idx)
     producer = producer_macro(H, D, TP, BI, M, ctas, nreg[1], diag, q_tma=q_tma, q_late=q_late, q_prefetch=q_prefetch,
-                              tma_runs=tma_runs, bstamp=bstamp)
+                              bstamp=bstamp)
 
     @T.macro
     def cta_body(cta, bi, mi, Q, KV, Sink, Idx, O, Lse):
