@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 
 import torch
 
@@ -345,11 +347,20 @@ SECTIONS = {
 }
 
 
+def _write_json(path: str, results: list) -> None:
+    """The rows so far into ``path``, whole or not at all: written beside it, then renamed over it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=positive_int, default=4096, help="queries / GEMM rows (release prefill 4096)")
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ",".join(SECTIONS))
-    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--json", default=None,
+                   help="write the rows here (rewritten after each section, so a run cut short keeps the rows so far)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="attnpp, attnnreg, attnbound: interleaved rounds of their rows, summarised by "
                         "median, min and max (default 3)")
@@ -382,6 +393,7 @@ def main(argv=None):
     print(f"{'kernel':<48s} {'ms':>9s} {'TFLOP/s':>9s} {'GB/s':>9s}")
     results, failed = [], []
     for part in parts:
+        t0 = time.monotonic()
         try:
             SECTIONS[part](results, args)
         except Exception as e:
@@ -390,9 +402,9 @@ def main(argv=None):
             print(f"!! {part} failed: {type(e).__name__}: {e}", flush=True)
             failed.append(part)
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        print(f"== section {part}: {time.monotonic() - t0:.0f} s", flush=True)
+        if args.json:                   # after every section: a run stopped by a time limit keeps the rows so far
+            _write_json(args.json, results)
     if failed:
         raise SystemExit(f"kernels.bench: {len(failed)} section(s) failed: {', '.join(failed)}")
 

@@ -117,6 +117,35 @@ def test_kernels_bench_failed_section_exits_1(monkeypatch, capsys, tmp_path):
     bench.main(["--only", "ok"])            # no failure: returns normally (exit 0)
 
 
+def test_kernels_bench_json_after_each_section(monkeypatch, capsys, tmp_path):
+    """--json is rewritten after every section, so a run stopped in a later section (here by an exception that is
+    not an ordinary failure, as a time limit's signal would be) keeps the earlier sections' rows; each section's
+    time is printed."""
+    import json
+    import torch
+    from functional_dsv41.kernels import bench
+
+    def first(results, args):
+        results.append({"name": "first"})
+
+    def killed(results, args):
+        results.append({"name": "half"})
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(bench.SECTIONS, "first", first)
+    monkeypatch.setitem(bench.SECTIONS, "killed", killed)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "rows.json"
+    out.write_text("[]")
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--only", "first,killed", "--json", str(out)])
+    assert json.loads(out.read_text()) == [{"name": "first"}]
+    assert not (tmp_path / "rows.json.tmp").exists()
+    assert "== section first: " in capsys.readouterr().out
+
+
 def test_interleaved_rounds_order_and_medians(monkeypatch, capsys):
     """The bench's interleaved rounds: every variant once a round, in order; then a median row each, whose note
     gets that median."""
