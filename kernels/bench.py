@@ -372,6 +372,8 @@ def main(argv=None):
     unknown = [s for s in parts if s not in SECTIONS]
     if unknown:
         p.error(f"argument --only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"argument --json: no folder {os.path.dirname(os.path.abspath(args.json))} to write {args.json} in")
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")

@@ -56,6 +56,7 @@ BAD = [
     ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
     ("-m functional_dsv41.kernels.bench", ["--rounds", "0"], 2, "--rounds"),
     ("-m functional_dsv41.kernels.bench", ["--attn-data", "bogus"], 2, "--attn-data"),
+    ("-m functional_dsv41.kernels.bench", ["--json", NOTHERE + "/rows.json"], 2, "--json"),
     ("-m functional_dsv41.kernels.ncu_one", ["bogus"], 2, "invalid choice"),
     ("-m functional_dsv41.kernels.ncu_one", ["attn", "--kw", "{bad"], 2, "--kw"),
     ("-m functional_dsv41.kernels.ncu_one", ["attn", "--kw", "[1]"], 2, "--kw"),
