@@ -175,3 +175,31 @@ def test_interleaved_rounds_order_and_medians(monkeypatch, capsys):
                     reason="with a GPU ncu_one would profile: the no-GPU message is what is checked here")
 def test_ncu_one_without_gpu():
     _check(_run(["-m", "functional_dsv41.kernels.ncu_one", "attn"]), 1, "needs a CUDA GPU")
+
+
+def test_gpu_run_summary(tmp_path):
+    """scripts/gpu_run.sh (run here with gpu_env.sh stubbed): each command's own exit status in the summary (124 when
+    its time limit stops it), the call's status 1 when any failed, TileLang's cache-load lines dropped from the output
+    and the log, and a kernel compiled during the call kept and counted in its command's summary line."""
+    import shutil
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(os.path.join(REPO, "scripts", "gpu_run.sh"), tmp_path / "scripts")
+    (tmp_path / "scripts" / "gpu_env.sh").write_text("true\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    tl = "2026 [TileLang:tilelang.{}:INFO] (x.py:1): {}"
+    (tmp_path / "emit.sh").write_text("".join(f"echo '{tl.format(*m)}'\n" for m in (
+        ("cache", "Found kernel in cache"), ("jit.kernel", "TileLang begins to compile kernel k"),
+        ("jit.kernel", "TileLang completes to compile kernel k"))) + "echo row\n")
+    r = subprocess.run(["bash", "scripts/gpu_run.sh", "1", "bash emit.sh", "echo plain; exit 3", "sleep 5"],
+                       cwd=tmp_path, env=dict(os.environ, OUT=str(out)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    log = (out / "gpu_run.log").read_text()
+    for text in (r.stdout, log):
+        assert "Found kernel" not in text and "completes to compile" not in text
+        assert "begins to compile kernel k" in text and "row" in text
+        summary = text.split("== summary\n", 1)[1].splitlines()
+        assert summary[0].startswith("rc=0 ") and "(1 kernel(s) compiled here" in summary[0]
+        assert summary[1].startswith("rc=3 ") and "compiled here" not in summary[1]
+        assert summary[2].startswith("rc=124 ")
+        assert summary[3] == "gpu_run.sh: 2 of 3 command(s) failed"
