@@ -3,9 +3,11 @@
 # tests and the GPU training/model paths build, then pack just those kernels as .tl/tlcache.tar.xz, beside the
 # fixtures (.tl/fixtures.tar.xz). The whole cache holds every kernel ever compiled here and, with the fixtures and
 # the working tree, no longer fits in the 64 MiB a call carries; the suite's own kernels do (~7 MB of ~14).
-#   bash scripts/pack_gpu_suite.sh          # 18-25 min on 2 cores when the cache already has the kernels
+#   bash scripts/pack_gpu_suite.sh          # the suite's kernels (~410)
 #   BENCH=1 bash scripts/pack_gpu_suite.sh  # and the kernels.bench sections' (attn-pp, gemm, attn-bench modes):
-#                                           # ~560 kernels, ~11 MB, one archive for the suite and the bench
+#                                           # 482 kernels, 8.8 MB, one archive for the suite and the bench
+# (2026-12-07, 2 cores: BENCH=1 took 11.5 min with all but 16 of its kernels already in the cache; the tests'
+# precompile alone took 18-25 min before it ran beside the modes)
 # then (carry .tl/site.tar.xz, .tl/tlcache.tar.xz and .tl/fixtures.tar.xz):
 #   bash scripts/gpu_run.sh 540 "python3 -m pytest -q -p no:cacheprovider $(echo tests/test_gpu_*.py) tests/test_func.py -rfEs"
 # The tests' precompile (the longest part) runs beside the other modes, two processes for two cores; each writes its

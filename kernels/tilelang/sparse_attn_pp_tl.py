@@ -83,9 +83,10 @@ baba25d), and Hopper has no row-gather TMA. Nor is the cp.async path dearer per 
 as four 64 x 64 TMA tiles a stage half from its first row (``diag="tma_all"``, wrong outputs, the same bytes)
 ran at the default's speed, 528.7 against 531.2; and loading by TMA only the blocks that are runs of consecutive
 rows or all holes (``tma_runs``, the same bits; 38% of the bench's blocks) lost 3.6%, 7% on shuffled rows, to the
-per-block vote over the producer warpgroup that picks the path (H100 run 159, medians of 16; the code in 6d597d4). Cutting the WGMMAs' shared-memory reads does not help (run 103), so
-merging a pair's two QKs into one m64n128 (Q read once a pair) has no case either. Independent chains per SM, as
-FlashAttention-3 runs two query tiles, are ruled out by the output's size (64 heads x 512 fp32 is 256 registers a
+per-block vote over the producer warpgroup that picks the path (H100 run 159, medians of 16; the code in 6d597d4).
+Cutting the WGMMAs' shared-memory reads does not help (run 103), so merging a pair's two QKs into one m64n128 (Q
+read once a pair) has no case either. Independent chains per SM, as FlashAttention-3 runs two query tiles, are ruled
+out by the output's size (64 heads x 512 fp32 is 256 registers a
 thread for one warpgroup). The 2-CTA cluster that splits D (``sparse_attn_cl_tl``, runs 77-79) is correct, but its
 per-block exchange of partial scores puts ~1300-1500 cycles of latency on each chain. Nor is the query boundary's
 Q load: four options that move it (``q_tma``, ``s0_first``, ``q_prefetch``, ``q_late``) gave nothing (runs 139-142).
