@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from functional_dsv41.config import write_atomic
+
 from ._bench_common import bench, positive_int, row
 from .bench_attn import (attention_bound, attention_bwd, attention_cl, attention_diag, attention_fwd,
                          attention_nreg, attention_pp, attention_tail, attention_trace, attention_trace_boundary)
@@ -347,14 +349,6 @@ SECTIONS = {
 }
 
 
-def _write_json(path: str, results: list) -> None:
-    """The rows so far into ``path``, whole or not at all: written beside it, then renamed over it."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=positive_int, default=4096, help="queries / GEMM rows (release prefill 4096)")
@@ -372,8 +366,9 @@ def main(argv=None):
     unknown = [s for s in parts if s not in SECTIONS]
     if unknown:
         p.error(f"argument --only: unknown section(s) {unknown}; known: {list(SECTIONS)}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        p.error(f"argument --json: no folder {os.path.dirname(os.path.abspath(args.json))} to write {args.json} in")
+    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if json_dir and not os.path.isdir(json_dir):
+        p.error(f"argument --json: no folder {json_dir} to write {args.json} in")
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
@@ -406,7 +401,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
         print(f"== section {part}: {time.monotonic() - t0:.0f} s", flush=True)
         if args.json:                   # after every section: a run stopped by a time limit keeps the rows so far
-            _write_json(args.json, results)
+            write_atomic(args.json, json.dumps(results, indent=1))
     if failed:
         raise SystemExit(f"kernels.bench: {len(failed)} section(s) failed: {', '.join(failed)}")
 

@@ -93,9 +93,16 @@ def test_kernel_sources_dump_without_tilelang(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _fake_cuda(monkeypatch):
+    """What kernels.bench.main asks of CUDA before and between its sections, answered as if a GPU were there."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
 def test_kernels_bench_failed_section_exits_1(monkeypatch, capsys, tmp_path):
     """A section that raises is reported and the run continues, but main() exits 1 naming it."""
-    import torch
     from functional_dsv41.kernels import bench
 
     def boom(results, args):
@@ -106,9 +113,7 @@ def test_kernels_bench_failed_section_exits_1(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setitem(bench.SECTIONS, "boom", boom)
     monkeypatch.setitem(bench.SECTIONS, "ok", ok)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _fake_cuda(monkeypatch)
     out = tmp_path / "rows.json"
     with pytest.raises(SystemExit) as e:
         bench.main(["--only", "boom,ok", "--json", str(out)])
@@ -123,7 +128,6 @@ def test_kernels_bench_json_after_each_section(monkeypatch, capsys, tmp_path):
     not an ordinary failure, as a time limit's signal would be) keeps the earlier sections' rows; each section's
     time is printed."""
     import json
-    import torch
     from functional_dsv41.kernels import bench
 
     def first(results, args):
@@ -135,15 +139,13 @@ def test_kernels_bench_json_after_each_section(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setitem(bench.SECTIONS, "first", first)
     monkeypatch.setitem(bench.SECTIONS, "killed", killed)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _fake_cuda(monkeypatch)
     out = tmp_path / "rows.json"
     out.write_text("[]")
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--only", "first,killed", "--json", str(out)])
     assert json.loads(out.read_text()) == [{"name": "first"}]
-    assert not (tmp_path / "rows.json.tmp").exists()
+    assert [f.name for f in tmp_path.iterdir()] == ["rows.json"]        # no temporary file left beside it
     assert "== section first: " in capsys.readouterr().out
 
 
