@@ -2,11 +2,15 @@
 impl="auto" (TileLang where it covers the shapes, torch where an op raises Unsupported). GPU only.
 
 Teacher-forced, block by block (each block gets the golden input, as tests/test_forward_golden.py does on the
-CPU), every block output within DESIGN.md's per-layer cosine bound — this isolates each block from the chaos
-that one flipped expert or top-k entry causes downstream. End to end is a smoke test (runs, finite logits) that
-prints the distance to the golden logits but does not bound it: these tiny random models are chaotic (DESIGN.md),
-and on the CPU moving 1% of the bf16 weights by one ulp already moves the last-position logits by 0.59 (tiny-bf16)
-and 1.18 (tiny-fp8, argmax flipped) against DESIGN's 0.07 bound — cuBLAS's other summation order does as much.
+CPU): every block's h and pre_mix within DESIGN.md's per-layer cosine bound and its attended slots equal to the
+golden ones; an expert choice may flip where the GPU's rounding crosses a near tie (tiny-fp8 under TileLang: the
+fp8 activation quantisation turns a last-ulp GEMM difference into a whole fp8 step), on at most a tenth of a
+layer's rows. End to end, as on the CPU (tests/README.md): where every discrete choice matches the golden run's,
+the logits within DESIGN's bound and the same argmax; where one flips, it must be a rounding flip
+(``conftest.check_flip``: every block before it within the cosine bound, no more rows flipped than noise of the
+same size flips), and the golden trajectory past it is not compared — these tiny random models are chaotic
+(DESIGN.md): on the CPU moving 1% of the bf16 weights by one ulp already moves the last-position logits by 0.59
+(tiny-bf16) and 1.18 (tiny-fp8, argmax flipped) against DESIGN's 0.07 bound.
 """
 import optree
 import pytest
@@ -16,7 +20,8 @@ import functional_dsv41 as fd
 from functional_dsv41.model import block, make_chunk
 from functional_dsv41.state import SharedAttention
 
-from conftest import block_input, cosine_diff, fixture_dir, golden
+from conftest import (block_input, check_flip, cos_tol, cosine_diff, differing_rows, fixture_dir, golden,
+                      golden_divergence, load_fixture)
 from gpu_common import tilelang_runs
 
 pytestmark = pytest.mark.gpu
@@ -44,10 +49,14 @@ def test_teacher_forced_blocks_on_gpu(name, impl):
             h2, pre2, _, shared = block(params["layers"][L], h.cuda(), pre.cuda(), cfg=cfg, layer_id=L, chunk=chunk,
                                         cache=None, shared=shared, impl=impl, debug=dbg)
             c = cosine_diff(h2.float().cpu(), g[f"prefill.layer.{L}.h"].float())
+            c_pre = cosine_diff(pre2.float().cpu(), g[f"prefill.layer.{L}.pre_mix"].float())
             same_idx = torch.equal(dbg[f"layer.{L}.sparse_idx"].int().cpu(), g[f"prefill.layer.{L}.sparse_idx"])
-            same_exp = torch.equal(dbg[f"layer.{L}.gate_idx"].cpu(), g[f"prefill.layer.{L}.gate_idx"])
-            report.append(f"L{L}: h {c:.1e} idx {'=' if same_idx else 'DIFF'} experts {'=' if same_exp else 'DIFF'}")
-            worst = max(worst, c)
+            exp_rows = differing_rows(dbg[f"layer.{L}.gate_idx"].cpu(), g[f"prefill.layer.{L}.gate_idx"])
+            report.append(f"L{L}: h {c:.1e} pre {c_pre:.1e} idx {'=' if same_idx else 'DIFF'} experts "
+                          f"{int(exp_rows.sum())}/{exp_rows.numel()} rows differ")
+            worst = max(worst, c, c_pre)
+            assert same_idx, report
+            assert exp_rows.sum() <= exp_rows.numel() // 10, report
     print(f"{name} impl={impl} teacher-forced: " + "; ".join(report) + f"; ops called {called}, on TileLang {ran}")
     assert worst < tol, report
     if impl == "torch":
@@ -64,11 +73,25 @@ def test_forward_on_gpu_end_to_end(name, impl):
     P = int(g["prefill_len"])
     ids = g["input_ids"][:, :P].cuda()
     st = fd.init_state(cfg, ids.shape[0], cfg.max_seq_len, device="cuda")
-    out = fd.forward(params, {"input_ids": ids}, cfg=cfg, state=st, impl=impl)
+    dbg = {}
+    with tilelang_runs() as (called, ran):
+        out = fd.forward(params, {"input_ids": ids}, cfg=cfg, state=st, impl=impl, debug=dbg)
     ref = g["prefill.logits"]
     lg = out.logits[:, -1].float().cpu()
     err = (lg - ref).abs().max().item()
+    same_argmax = torch.equal(lg.argmax(-1), g["prefill.out_ids"])
     print(f"{name} impl={impl} end to end: logits max-abs {err:.3g} (DESIGN bound {2e-2 * ref.abs().max().item():.3g}), "
-          f"argmax equal: {torch.equal(lg.argmax(-1), g['prefill.out_ids'])}")
+          f"argmax equal: {same_argmax}; ops on TileLang {ran}")
     assert out.logits.shape == (ids.shape[0], P, cfg.vocab_size)
     assert torch.isfinite(out.logits).all()
+    assert bool(ran) == (impl == "auto"), ran
+    dbg = {k: v.cpu() if torch.is_tensor(v) else v for k, v in dbg.items()}
+    div = golden_divergence(dbg, g, cfg)
+    if div is not None:     # a rounding flip (asserted; the noise runs on the CPU copy of the fixture's weights)
+        _, params_cpu, _ = load_fixture(name)
+        check_flip(f"{name} on CUDA, impl={impl}", div, cos_tol(cfg), params_cpu, cfg, g)
+        return
+    for L in cfg.layer_ids:
+        assert cosine_diff(dbg[f"layer.{L}.h"], g[f"prefill.layer.{L}.h"]) < cos_tol(cfg), L
+    assert err < 2e-2 * ref.abs().max().item(), err
+    assert same_argmax
