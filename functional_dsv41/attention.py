@@ -41,7 +41,7 @@ def fp8_qdq(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     return ste(x, y)
 
 
-def window_index(chunk: Chunk, W: int, b: int, has_past: bool) -> torch.Tensor:
+def window_index(chunk: Chunk, W: int, has_past: bool) -> torch.Tensor:
     """[b, s, W] rows of the window block that each query reads (-1 = none), valid slots first."""
     dev = chunk.pos_abs.device
     p = chunk.pos_abs[:, None]                                              # [s, 1]
@@ -55,7 +55,9 @@ def window_index(chunk: Chunk, W: int, b: int, has_past: bool) -> torch.Tensor:
 
 
 def roll_ring(ring: torch.Tensor | None, rows: torch.Tensor, chunk: Chunk, W: int, has_past: bool) -> torch.Tensor:
-    """The ring after this chunk: slot j holds the newest position t <= end with t % W == j."""
+    """The window ring after this chunk: ring [b, W, D] or None (no past), rows [b, n_win, D] (the window block:
+    the past ring in position order, if any, then this chunk's s rows) -> [b, W, D], slot j holding the newest
+    position t <= end with t % W == j."""
     end = chunk.start + chunk.s - 1
     j = torch.arange(W, device=rows.device)
     t = end - ((end - j) % W)
@@ -70,7 +72,10 @@ def roll_ring(ring: torch.Tensor | None, rows: torch.Tensor, chunk: Chunk, W: in
 def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache: AttnCache | None,
               shared: SharedAttention, mode: str = "reference", impl: str | None = None, qdq: bool = True,
               debug: dict | None = None, aux: dict | None = None):
-    """x [b, s, dim] bf16 (normed) -> (out [b, s, dim], new cache or None, shared, topk info).
+    """x [b, s, dim] bf16 (normed) -> (out [b, s, dim], new cache or None, shared, topk).
+
+    topk: this layer's selected compressed entries [b, s, index_topk] int64 (-1 = none; an index-source
+    layer's own, a reuse layer's from its source), or None in a window-only layer.
 
     p = params["layers"][L]["attn"]; ``cache`` is the layer's AttnCache (None: no state, e.g. training).
     ``qdq=False`` skips the activation quantisation (fp8 KV, fp4 compressed KV and indexer q/k): the
@@ -96,7 +101,7 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
         win_rows = torch.cat([cache.window_kv[:, order], kv], 1)
     else:
         win_rows = kv
-    widx = window_index(chunk, W, b, has_past)
+    widx = window_index(chunk, W, has_past)
     n_win = win_rows.shape[1]
     new_cache = None
     if cache is not None:
@@ -137,6 +142,9 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
         kv_all = torch.cat([win_rows, comp_kv], 1)
         idx = torch.cat([widx, torch.where(topk >= 0, topk + n_win, -1)], -1)
         if debug is not None and L in cfg.index_source_layers:
+            # in this call's index space: compressed slots start after the window block's n_win rows. In a
+            # prefill that is the release's offset (W); in decode n_win = W + s (the ring, then the new rows),
+            # where the release writes the new row into its ring first and offsets by W
             debug["topk_idxs"] = torch.where(topk >= 0, topk + n_win, -1)
 
     # the kernel sees a fixed width, window + index_topk (holes past the entries seen so far): its CPU row sums
@@ -170,8 +178,10 @@ def indexer_kl_terms(q, kv_all, sink, idx, topk, student, scale) -> dict:
 
     teacher [b, s, H, k]: the attention's own probability (sink included in the normaliser) on each
     selected compressed slot, per head, detached. student [b, s, k]: the indexer's scores at those
-    slots, taken before the candidate mask (the only path by which the indexer gets a gradient; its inputs
-    are detached, so it reaches the indexer's own weights only).
+    slots, as ``index_scores`` returned them (with the candidate mask applied at level-2 layers: every
+    selected slot is a candidate, so the mask changes neither the values there nor their gradient). It is
+    the only path by which the indexer gets a gradient; its inputs are detached, so it reaches the indexer's
+    own weights only.
     valid [b, s, k]: the slot exists.
     """
     k = topk.shape[-1]
@@ -189,11 +199,16 @@ def indexer_kl_terms(q, kv_all, sink, idx, topk, student, scale) -> dict:
 
 
 def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, shared, mode, qdq=True):
-    """Full layer: compress new groups, index keys, RoPE + fp4 QDQ, append to history, publish."""
+    """Full layer (SPEC §3-§5): compress this chunk's complete groups of x [b, s, dim] (``compress``: latent
+    [b, n_new, D], their RoPE positions), their indexer keys (RoPE-free latent -> ``index_keys`` [b, n_new, Di]),
+    the attention's compressed KV (RoPE, then fp4 QDQ with 16-element groups and E4M3 scales, SPEC §3); append
+    both to the layer's history (cache, if any) and publish them in ``shared`` for the layers that reuse them
+    (kv [b, n, D], index_k [b, n, Di], visible (lo, hi) [b, s] each, candidate blocks [b, n]).
+    -> (shared, new_cache)."""
     L = layer_id
     r = cfg.compress_ratio(L)
     ent, (part_kv, part_s) = compress(p["compressor"], x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache, mode=mode)
-    keys_new = index_keys(p["indexer"], ent.latent.detach(), ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)  # (above)
+    keys_new = index_keys(p["indexer"], ent.latent.detach(), ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)  # before RoPE
     kv_new = apply_rope(ent.latent, rope_angles(cfg, L, ent.rope_pos))
     kv_new = fp4_qdq(kv_new, 16, quant.FP8, qdq)
     end, seg, group = ent.end, ent.seg, ent.rope_pos // r
@@ -221,7 +236,7 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
         seg = torch.cat([torch.zeros_like(end[:, :n_prev]), seg], 1)
         group = torch.cat([hist.expand(x.shape[0], n_prev), group], 1)
         new_cache = AttnCache(new_cache.window_kv, hist_kv, hist_k, part_kv, part_s)
-    visible = visible_range(end, seg, chunk.pos_abs, chunk.seg_start)        # (lo, hi) [b, s] each
+    visible = visible_range(end, chunk.pos_abs, chunk.seg_start)        # (lo, hi) [b, s] each
     shared = shared.replace(kv={**shared.kv, L: kv_new}, index_k={**shared.index_k, L: keys_new},
                             visible={**shared.visible, L: visible},
                             blocks={**shared.blocks, L: entry_blocks(group, seg, cfg=cfg)})

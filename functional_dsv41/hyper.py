@@ -5,7 +5,20 @@ The residual stream is ``hc_mult`` (4) parallel copies ``h [b, s, hc, dim]``. Ea
 into ``pre [hc]`` (collapse weights), ``post [hc]`` (how much of the sublayer output each stream
 takes) and ``comb [hc, hc]`` (a near doubly-stochastic stream mixing, Sinkhorn-Knopp). All fp32.
 
-The one-sublayer delay of ``pre`` lives in the block (model.py): a sublayer's input is collapsed with
+The equations (fp32; the torch spelling of the split is ``kernels/reference.py``'s ``hc_split_sinkhorn``, of the
+collapse / expand its ``hc_pre`` / ``hc_post``; on the GPU fused TileLang kernels with the same bits):
+
+    v    = flatten(h)                      [hc*dim]      r = rsqrt(mean(v^2) + norm_eps)   (one statistic)
+    m    = (fn @ v) * r                    [24]
+    pre  = sigmoid(m[0:4] * scale[0] + base[0:4]) + hc_eps
+    post = 2 * sigmoid(m[4:8] * scale[1] + base[4:8])
+    C    = softmax_k(reshape(m[8:24] * scale[2] + base[8:24], 4 x 4)) + hc_eps      (C[j, k] = entry 8 + 4j + k)
+    C    = C / (sum_j C[j, k] + hc_eps);  then (hc_sinkhorn_iters - 1) times: row-normalise, column-normalise
+    comb = C
+    hc_pre(h, pre)              = sum_j pre_j h_j                         [dim]
+    hc_post(y, res, post, comb) = post_k y + sum_j comb[j, k] res_j       [hc, dim]   (k = output stream)
+
+The one-sublayer delay of ``pre`` lives in the block (model.py ``block``): a sublayer's input is collapsed with
 the ``pre`` the PREVIOUS sublayer computed.
 """
 from __future__ import annotations
@@ -31,7 +44,7 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
-    """Collapse the streams: sum_j pre_j * h_j in fp32 (products rounded, summed in index order) -> [b, s, dim] in
+    """h [b, s, hc, dim], pre [b, s, hc] fp32. Collapse the streams: sum_j pre_j * h_j in fp32 (products rounded, summed in index order) -> [b, s, dim] in
     h's dtype (``kernels.hc_pre``: on the GPU one fused kernel with the same bits)."""
     return kernels.hc_pre(h, pre, impl=impl)
 

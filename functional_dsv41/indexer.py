@@ -24,7 +24,6 @@ from .config import Config
 from .linear import linear, qat_format, ste
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
-from .kernels.reference_indexer import topk_first
 
 
 def fp4_qdq(x: torch.Tensor, block: int, scale_dtype, enabled: bool = True) -> torch.Tensor:
@@ -44,15 +43,16 @@ def index_keys(p: dict, latent: torch.Tensor, rope_pos: torch.Tensor, *, cfg: Co
     return fp4_qdq(k, 32, quant.E8M0, qdq)
 
 
-def visible_range(end: torch.Tensor, seg: torch.Tensor, pos_abs: torch.Tensor, seg_start: torch.Tensor):
+def visible_range(end: torch.Tensor, pos_abs: torch.Tensor, seg_start: torch.Tensor):
     """The entries a query sees, as a half-open range [lo, hi) per query ([b, s] int64 each).
 
-    end, seg [b, n]: end position and sample start of each entry, entries in position order along the
-    row (history first, padding entries last with end = BIG); pos_abs [s] (or [b, s]) and seg_start
-    [b, s]: each query's position and its sample's start. Entry j is visible iff it is complete
-    (end_j <= pos) and in the query's own sample (seg_j == seg_start); an entry's end lies inside its
-    sample, samples are contiguous in position and ends ascend along the row, so the visible entries
-    are exactly those with seg_start <= end_j <= pos: lo = #(end < seg_start), hi = #(end <= pos).
+    end [b, n]: end position of each entry, entries in position order along the row (history first,
+    padding entries last with end = BIG); pos_abs [s] (or [b, s]) and seg_start [b, s]: each query's
+    position and its sample's start. Entry j is visible iff it is complete (end_j <= pos) and in the
+    query's own sample (its sample start seg_j == seg_start); an entry's end lies inside its sample,
+    samples are contiguous in position and ends ascend along the row, so the visible entries are exactly
+    those with seg_start <= end_j <= pos: lo = #(end < seg_start), hi = #(end <= pos), and the entries'
+    own sample starts are not needed.
     """
     b = end.shape[0]
     pos = pos_abs.expand(b, -1) if pos_abs.dim() == 1 else pos_abs
@@ -81,8 +81,6 @@ def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor,
     return kernels.index_scores(q, keys, w, lo, hi, cand, impl=impl)
 
 
-_topk_first = topk_first
-
 
 def select_topk(score: torch.Tensor, k: int, impl: str | None = None) -> torch.Tensor:
     """[b, s, n] -> [b, s, min(k, n)] int64 entry indices ascending, -1 where the score is -inf
@@ -91,7 +89,8 @@ def select_topk(score: torch.Tensor, k: int, impl: str | None = None) -> torch.T
 
 
 def entry_blocks(group: torch.Tensor, seg: torch.Tensor, *, cfg: Config) -> torch.Tensor:
-    """Candidate block id of every compressed entry [b, n]: ``candidate_block_size`` consecutive groups
+    """group, seg [b, n] int64 (each entry's index inside its sample, its sample's start) -> the candidate block
+    id of every compressed entry [b, n] int64: ``candidate_block_size`` consecutive groups
     of one sample (group = entry index inside its sample), numbered along the row. For a plain row
     this is ``j // candidate_block_size``; in packed rows blocks never straddle two samples."""
     B = cfg.candidate_block_size

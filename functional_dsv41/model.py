@@ -60,7 +60,8 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
           shared: SharedAttention, image_mask=None, mode="reference", impl=None, dispatch="sorted",
           qdq: bool = True, debug: dict | None = None, aux: dict | None = None):
     """One block with hyper-connections (SPEC §2). h [b, s, hc, dim] bf16, pre_in [b, s, hc] fp32
-    (the previous block's ffn ``pre``) -> (h, ffn pre, cache, shared)."""
+    (the previous block's ffn ``pre``) -> (h [b, s, hc, dim] bf16, ffn pre [b, s, hc] fp32, the layer's new
+    cache or None, shared)."""
     eps = cfg.norm_eps
     d = {} if debug is not None else None
     res = h
@@ -263,6 +264,9 @@ def _check_state_fits(batch: dict, cfg: Config, state: Optional[DecodeState]) ->
 
 
 def make_chunk(batch: dict, start: int, device) -> Chunk:
+    """The positions of this call's tokens (``compressor.Chunk``): batch["input_ids"] [b, s] starting at absolute
+    position ``start``; without batch["positions"] every row is one sample (pos = pos_abs, seg_start 0); with
+    positions [b, s] (packed samples restart at 0) each token's sample start follows from them (checked)."""
     ids = batch["input_ids"]
     b, s = ids.shape
     pos_abs = torch.arange(start, start + s, device=device)

@@ -57,7 +57,7 @@ def route_scores(x_TD: torch.Tensor, gate: dict, *, cfg: Config, image_mask_T: t
 
 def route(x_TD: torch.Tensor, gate: dict, *, cfg: Config, layer_id: int, image_mask_T: torch.Tensor | None = None):
     """Router: x [T, D] -> (weights_TK fp32, idx_TK int64) in torch.topk order (descending biased score)."""
-    n_exp, k = cfg.moe_experts(layer_id)
+    _, k = cfg.moe_experts(layer_id)
     scores_TE, choice_TE = route_scores(x_TD, gate, cfg=cfg, image_mask_T=image_mask_T)
     idx_TK = choice_TE.topk(k, dim=-1).indices
     w_TK = scores_TE.gather(-1, idx_TK)

@@ -327,7 +327,8 @@ def _local_rows(weight, ids: torch.Tensor):
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding(ids, weight); weight [V, D] may be a DTensor with vocabulary rows split over ``emb``."""
+    """F.embedding(ids, weight): ids [...] int64, weight [V, D] -> [..., D] in weight's dtype; weight may be a
+    DTensor with vocabulary rows split over ``emb``."""
     if not is_sharded(weight):
         return F.embedding(ids, weight)
     local, lid, mine = _local_rows(weight, ids)

@@ -102,7 +102,7 @@ LAYOUTS = {
 def test_visible_range_equals_old_mask(name):
     lens, r, start, hist = LAYOUTS[name]
     end, seg, _, pos_abs, seg_start = _packed_layout(lens, r, start, hist)
-    lo, hi = visible_range(end, seg, pos_abs, seg_start)
+    lo, hi = visible_range(end, pos_abs, seg_start)
     old = _old_visible(end, seg, pos_abs, seg_start)
     assert torch.equal(R.range_mask(lo, hi, end.shape[1]), old)
 
@@ -127,7 +127,7 @@ def test_ops_equal_old_model_code(name, ties):
     b, n = end.shape
     s = pos_abs.shape[0]
     cfg = Config.tiny()
-    lo, hi = visible_range(end, seg, pos_abs, seg_start)
+    lo, hi = visible_range(end, pos_abs, seg_start)
     visible = _old_visible(end, seg, pos_abs, seg_start)
     q, k, w = _qkw(b, s, n, seed=len(name), ties=ties)
 
@@ -162,7 +162,7 @@ def test_topk_ties_empty_rows_and_short_rows():
 def test_scores_gradient_matches_old_code():
     """The op is differentiable like the code it replaced (fp32 model for gradient checks)."""
     end, seg, _, pos_abs, seg_start = _packed_layout([[9, 14, 6]], 2)
-    lo, hi = visible_range(end, seg, pos_abs, seg_start)
+    lo, hi = visible_range(end, pos_abs, seg_start)
     visible = _old_visible(end, seg, pos_abs, seg_start)
     q, k, w = (t.float().requires_grad_() for t in _qkw(1, 29, end.shape[1]))
     g = torch.randn(1, 29, end.shape[1])
@@ -178,7 +178,7 @@ def test_candidates_int_block_size_is_plain_rows():
     """blocks as an int block size (plain rows, what the model passes) = entry_blocks' tensor there."""
     cfg = Config.tiny(candidate_block_size=4)
     end, seg, group, pos_abs, seg_start = _packed_layout([[41], [41]], 1)
-    lo, hi = visible_range(end, seg, pos_abs, seg_start)
+    lo, hi = visible_range(end, pos_abs, seg_start)
     q, k, w = _qkw(2, 41, end.shape[1], seed=9, ties=True)
     score = K.index_scores(q, k, w, lo, hi, impl="torch")
     blocks = entry_blocks(group, seg, cfg=cfg)
