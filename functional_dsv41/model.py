@@ -190,19 +190,34 @@ _OPTIONAL_PARAMS = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "
 
 
 @functools.lru_cache(maxsize=8)
-def _param_shapes(cfg: Config) -> dict:
-    """{path: logical shape} of every weight of ``param_spec(cfg)`` (scales left out: master trees have none)."""
+def _param_entries(cfg: Config) -> dict:
+    """{path: Entry} of every tensor of ``param_spec(cfg)``, scales included (storage shapes and dtypes)."""
     from .params.spec import spec_entries
-    return {e.name: tuple(e.logical) for e in spec_entries(cfg) if e.fmt != "scale"}
+    return {e.name: e for e in spec_entries(cfg)}
 
 
 _STACKED = re.compile(r"(.*\.experts)\.(\d+)(\..*)")   # layers.L.ffn.experts.E.w1.weight -> ...experts / E / .w1.weight
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)     # a plain tensor or a float master weight
+_EXTRA_LEAVES = ("engram_token_map",)          # built by load_params from the tokenizer, not a released tensor
+
+
+def _spec_name(path: str, entries: dict) -> str | None:
+    """The spec entry a tree path stands for: itself, or expert 0's for the stacked experts form
+    (``...experts.w1.weight`` [E, ...], sharding.py)."""
+    if path in entries:
+        return path
+    head, dot, rest = path.partition(".experts.")
+    if dot and f"{head}.experts.0.{rest}" in entries:
+        return f"{head}.experts.0.{rest}"
+    return None
 
 
 def _check_params(params, cfg: Config) -> None:
-    """The params' shapes against the config (host-only, ``param_spec``'s logical shapes, fp4 unpacked): a
-    config changed in a notebook without new params failed deep inside torch ("shape '[1, 6, 8, 64]' is
-    invalid"), with a KeyError, or ran on the params' own sizes, ignoring the config."""
+    """The params against the config (host-only): every weight's shape (``param_spec``'s logical shapes, fp4
+    unpacked) and dtype (a quantized weight in its storage dtype with its ``scale``, or a float master weight;
+    every other tensor a float), and no leaf the config does not have. Without it a config changed in a notebook
+    without new params failed deep inside torch ("shape '[1, 6, 8, 64]' is invalid"), with a KeyError, or ran on
+    the params' own sizes; an integer weight was cast and run; a misspelt override was ignored."""
     if not isinstance(params, dict):
         raise TypeError(f"forward: params must be the parameter tree (a dict, fd.init_params / fd.load_params), "
                         f"got {type(params).__name__}")
@@ -210,8 +225,12 @@ def _check_params(params, cfg: Config) -> None:
     if n != cfg.n_layers:
         raise ValueError(f"forward: params have {n} layers, config has {cfg.n_layers}")
     flat = flatten_with_paths(params)
+    entries = _param_entries(cfg)
     problems = []
-    for name, want in _param_shapes(cfg).items():
+    for name, e in entries.items():
+        if e.fmt == "scale":
+            continue                            # checked beside its weight (master trees have none)
+        want = tuple(e.logical)
         t = flat.get(name)
         stacked = None if t is not None else _STACKED.fullmatch(name)
         if stacked is not None and isinstance(flat.get(stacked[1] + stacked[3]), torch.Tensor):
@@ -223,6 +242,8 @@ def _check_params(params, cfg: Config) -> None:
             got = _logical_shape(t)[1:]
             if got != want:
                 problems.append(f"{name} (row {stacked[2]} of {stacked[1] + stacked[3]}) is {got}, expected {want}")
+            if stacked[2] == "0":
+                problems += _dtype_problems(stacked[1] + stacked[3], t, e, flat)
             continue
         if t is None:
             if not name.startswith(_OPTIONAL_PARAMS):
@@ -234,10 +255,26 @@ def _check_params(params, cfg: Config) -> None:
         got = _logical_shape(t)                 # packed fp4 [N, K/2] is [N, K]
         if got != want:
             problems.append(f"{name} is {got}, expected {want}")
+        problems += _dtype_problems(name, t, e, flat)
+    extra = [p for p in flat if p not in _EXTRA_LEAVES and _spec_name(p, entries) is None]
+    problems += [f"{p} is not a parameter of this config" for p in extra]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(f"forward: params do not match the config ({len(problems)} problem(s)): "
-                         + "; ".join(problems[:3]) + more + " - params built for another config?")
+                         + "; ".join(problems[:3]) + more + " - params built for another config, or edited?")
+
+
+def _dtype_problems(path: str, t: torch.Tensor, e, flat: dict) -> list:
+    """What is wrong with the dtype of weight ``t`` at ``path`` (spec entry ``e``): [] or one message."""
+    if e.fmt in ("fp8", "fp4", "rows") and t.dtype == e.dtype:
+        scale = path[:-len("weight")] + "scale"
+        if not isinstance(flat.get(scale), torch.Tensor):
+            return [f"{path} is stored as {t.dtype} but {scale} is missing"]
+        return []
+    if t.dtype in _FLOATS:
+        return []
+    want = f"{e.dtype} with its .scale, or a float master weight" if e.fmt in ("fp8", "fp4", "rows") else "a float"
+    return [f"{path} is {t.dtype}, expected {want}"]
 
 
 def _check_state_fits(batch: dict, cfg: Config, state: Optional[DecodeState]) -> None:
@@ -280,8 +317,8 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
     if pos.shape != ids.shape:
         raise ValueError(f"forward: positions {tuple(pos.shape)} must match input_ids {tuple(ids.shape)}")
     seg_start = pos_abs - pos
-    if bool((seg_start < 0).any()) or bool((pos[:, 1:] != pos[:, :-1] + 1)[pos[:, 1:] != 0].any()):
-        raise ValueError("forward: positions must count 0, 1, 2, ... within each packed sample")
+    if bool((pos < 0).any() | (seg_start < 0).any() | (pos[:, 1:] != pos[:, :-1] + 1)[pos[:, 1:] != 0].any()):
+        raise ValueError("forward: positions must count 0, 1, 2, ... within each packed sample (none negative)")
     return Chunk(start, pos_abs, pos, seg_start, packed=True)
 
 

@@ -1,5 +1,6 @@
 """forward(): chunked prefill == one prefill, packed samples are isolated, MoE dispatch forms agree,
 bad input is refused with a clear error."""
+import optree
 import pytest
 import torch
 
@@ -198,6 +199,43 @@ class TestBadInput:
         with pytest.raises(ValueError, match="params have 9 layers, config has 10"):
             fd.forward(p, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, cfg=self.cfg)
 
+    def test_params_dtypes_scales_and_extra_leaves(self):
+        """A weight of the wrong dtype, a quantized weight without its scale and a leaf the config does not have
+        are refused by name (before: cast and run, a bare KeyError 'scale', silently ignored)."""
+        ids = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+
+        def edited(path, value):
+            p = optree.tree_map(lambda x: x, self.params)           # a copy of the tree's containers
+            *head, last = path.split(".")
+            node = p
+            for k in head:
+                node = node[int(k)] if isinstance(node, list) else node[k]
+            if value is None:
+                del node[last]
+            else:
+                node[last] = value
+            return p
+        w = self.params["layers"][0]["attn"]["wq_a"]["weight"]
+        for path, value, msg in [
+                ("embed.weight", self.params["embed"]["weight"].long(), r"embed\.weight is torch\.int64, expected a float"),
+                ("layers.0.attn.wq_a.weight", w.to(torch.int8), r"wq_a\.weight is torch\.int8, expected a float"),
+                ("layers.0.attn.junk", torch.zeros(1), r"layers\.0\.attn\.junk is not a parameter of this config"),
+                ("foo", torch.zeros(1), r"foo is not a parameter of this config")]:
+            with pytest.raises(ValueError, match=msg):
+                fd.forward(edited(path, value), ids, cfg=self.cfg)
+        cfg8, p8 = random_model(seed=2, dtype="fp8", expert_dtype="fp4")
+        self.cfg, self.params = cfg8, p8
+        w8 = p8["layers"][0]["attn"]["wq_a"]["weight"]
+        with pytest.raises(ValueError, match=r"wq_a\.weight is stored as torch\.float8_e4m3fn but "
+                                             r"layers\.0\.attn\.wq_a\.scale is missing"):
+            fd.forward(edited("layers.0.attn.wq_a.scale", None), ids, cfg=cfg8)
+        with pytest.raises(ValueError, match=r"wq_a\.weight is torch\.uint8, expected torch\.float8_e4m3fn with its "
+                                             r"\.scale, or a float master weight"):
+            fd.forward(edited("layers.0.attn.wq_a.weight", w8.view(torch.uint8)), ids, cfg=cfg8)
+        master = optree.tree_map(lambda x: x, p8)                   # a float master weight needs no scale
+        master["layers"][0]["attn"]["wq_a"] = {"weight": w8.float()}
+        assert torch.isfinite(fd.forward(master, ids, cfg=cfg8).logits).all()
+
     def test_state_for_another_config_or_batch(self):
         st = fd.init_state(self.cfg, 2, 32)
         with pytest.raises(ValueError, match="state holds 2 rows, the batch has 1"):
@@ -209,6 +247,9 @@ class TestBadInput:
     def test_bad_positions(self):
         with pytest.raises(ValueError, match="positions must count"):
             self.fwd({"input_ids": torch.ones(1, 4, dtype=torch.long), "positions": torch.tensor([[0, 1, 3, 4]])})
+        for neg in ([[-1, 0, 1, 2]], [[-2, -1, 0, 1]], [[0, 1, -1, 0]]):   # a sample starting below 0 ran silently
+            with pytest.raises(ValueError, match=r"positions must count .* \(none negative\)"):
+                self.fwd({"input_ids": torch.ones(1, 4, dtype=torch.long), "positions": torch.tensor(neg)})
 
 
 def test_topk_ties_resolve_to_the_lower_index():
