@@ -40,6 +40,7 @@ from .attention import fp8_qdq, output_projection
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
 from .linear import linear, qat_format
+from .model import _check_ids, _check_inputs, _not_int_tensor, make_chunk
 from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
@@ -77,11 +78,43 @@ def _check_state(params: dict, state: DecodeState, cfg: Config, b: int, where: s
         raise ValueError(f"{where}: {why}")
     if state.batch_size != b:
         raise ValueError(f"{where}: the state holds {state.batch_size} rows, the input has {b}")
-    if cfg.n_mtp_layers < 1 or len(state.dspark) != cfg.n_mtp_layers:
+    if len(state.dspark) != cfg.n_mtp_layers:
         raise ValueError(f"{where}: the config has no DSpark stages (n_mtp_layers = {cfg.n_mtp_layers})")
+    _check_stages(params, cfg, where)
+
+
+def _check_stages(params: dict, cfg: Config, where: str) -> None:
+    """The config has DSpark stages and params hold one 'mtp' entry per stage (host-only); a tree without
+    'mtp' failed with a bare KeyError."""
+    if cfg.n_mtp_layers < 1:
+        raise ValueError(f"{where}: the config has no DSpark stages (n_mtp_layers = {cfg.n_mtp_layers})")
+    if not isinstance(params, dict):
+        raise TypeError(f"{where}: params must be the parameter tree (a dict, fd.init_params / fd.load_params), "
+                        f"got {type(params).__name__}")
     if len(params.get("mtp", ())) != cfg.n_mtp_layers:
         raise ValueError(f"{where}: params have {len(params.get('mtp', ()))} DSpark stages ('mtp'), "
                          f"the config {cfg.n_mtp_layers}")
+
+
+def _as(where: str, check, *args):
+    """Run one of model.py's input checks (``forward``'s, messages "forward: ...") for ``where``: the same
+    check and message, named after the function the user called."""
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        if type(e) not in (TypeError, ValueError) or not msg.startswith("forward: "):
+            raise
+        raise type(e)(f"{where}: {msg[len('forward: '):]}") from None
+
+
+def _check_sampling(temperature, top_p, where: str) -> None:
+    """generate's rule for temperature / top_p (host-only): a negative temperature ran greedy silently, a NaN one
+    or top_p <= 0 failed inside torch.multinomial, top_p > 1 was taken."""
+    from .generate import _real                         # (generate imports this module)
+    if not _real(temperature) or not _real(top_p) or temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"{where}: need temperature >= 0 (0 = greedy) and 0 < top_p <= 1, got "
+                         f"temperature={temperature!r}, top_p={top_p!r}")
 
 
 def _check_hidden(main_hidden: torch.Tensor, cfg: Config, where: str) -> None:
@@ -251,7 +284,7 @@ class Draft:
 def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Tensor, *, cfg: Config,
                  state: DecodeState, temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None, mode: str = "reference", impl=None,
-                 dispatch: str = "sorted", debug: Optional[dict] = None) -> Draft:
+                 dispatch: str = "sorted", validate: bool = True, debug: Optional[dict] = None) -> Draft:
     """Draft ``B = cfg.dspark_block_size`` tokens after ``last_token`` (SPEC §7 "Decode", "Head").
 
     last_token int64 [b] (or [b, 1]): the newest sampled token, to sit at position ``state.pos``;
@@ -262,12 +295,23 @@ def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Te
     positions p+1 .. p+B; sampling is sequential (the Markov bias of position i depends on out_ids[i]).
     Returns ``Draft(out_ids, logits, confidence, state)``.
     ``debug`` receives ``stage.{s}.*`` tensors named like the golden ``decode.{k}.spec.*``.
+    temperature >= 0 (0 = greedy) and 0 < top_p <= 1, as in ``generate``. ``validate=False`` skips the
+    data-dependent check (last_token within the vocabulary: a device sync), as ``forward``'s does.
     """
     transforms.check_unsharded(params)
+    _check_sampling(temperature, top_p, "dspark_draft")
+    got = _not_int_tensor(last_token)
+    if got:
+        raise TypeError(f"dspark_draft: last_token must be an integer tensor [b] (or [b, 1]) of token ids, "
+                        f"got {got}")
     _check_hidden(main_hidden_p, cfg, "dspark_draft")
     last = last_token.reshape(-1).long()
     b = last.shape[0]
     _check_state(params, state, cfg, b, "dspark_draft")
+    if validate and b > 0 and bool(((last < 0) | (last >= cfg.vocab_size)).any()):   # one sync
+        bad = int(last[(last < 0) | (last >= cfg.vocab_size)][0])
+        raise ValueError(f"dspark_draft: last_token holds token id {bad}, outside the vocabulary "
+                         f"[0, {cfg.vocab_size})")
     if main_hidden_p.shape[:2] != (b, 1):
         raise ValueError(f"dspark_draft: main_hidden_p must be [{b}, 1, ...] (position state.pos - 1), "
                          f"got {tuple(main_hidden_p.shape)}")
@@ -319,7 +363,7 @@ class DSparkOutput:
 def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Tensor, *, cfg: Config,
                    positions: Optional[torch.Tensor] = None, anchors: Optional[torch.Tensor] = None,
                    mode: str = "reference", impl=None, dispatch: str = "sorted", qdq: bool = True,
-                   debug: Optional[dict] = None) -> DSparkOutput:
+                   validate: bool = True, debug: Optional[dict] = None) -> DSparkOutput:
     """Stateless, teacher-forced draft over a whole (plain or packed) sequence: the draft loss's forward.
 
     main_hidden [b, S, n_targets*dim] = ``forward(params, batch).main_hidden`` of the same rows;
@@ -333,19 +377,30 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     Returns ``DSparkOutput(logits [b, n, B, V], confidence [b, n, B], targets [b, n, B])``.
     ``mode``/``dispatch``/``qdq`` as in ``forward`` (qdq=False: no fp8 KV QDQ, the smooth model).
     Cost: n*B draft queries; pass a subset of anchors for long rows (logits are n*B*V fp32).
+    Inputs are checked as ``forward`` checks them (its own checks: input_ids' type and rank, ``positions``);
+    ``validate=False`` skips the data-dependent ones (ids within the vocabulary, params against the config),
+    as ``forward``'s does.
     """
+    where = "dspark_forward"
     transforms.check_unsharded(params)
-    _check_hidden(main_hidden, cfg, "dspark_forward")
-    if input_ids.dim() != 2 or input_ids.shape != main_hidden.shape[:2]:
+    _check_hidden(main_hidden, cfg, where)
+    batch = {"input_ids": input_ids}
+    _as(where, _check_ids, batch)
+    if input_ids.shape != main_hidden.shape[:2]:
         raise ValueError(f"dspark_forward: input_ids {tuple(input_ids.shape)} must be [b, S] matching "
                          f"main_hidden {tuple(main_hidden.shape[:2])}")
+    if validate:
+        _as(where, _check_inputs, params, batch, cfg, None)
+    _check_stages(params, cfg, where)
+    got = None if anchors is None else _not_int_tensor(anchors)
+    if got:
+        raise TypeError(f"dspark_forward: anchors must be an integer tensor [n] of main positions, got {got}")
     b, S = input_ids.shape
     B, W, dev = cfg.dspark_block_size, cfg.window_size, input_ids.device
     ids = input_ids.long()
-    pos = (positions.to(dev, torch.long) if positions is not None
-           else torch.arange(S, device=dev).expand(b, S))
-    if pos.shape != (b, S):
-        raise ValueError(f"dspark_forward: positions {tuple(pos.shape)} must match input_ids {(b, S)}")
+    if positions is not None:
+        batch["positions"] = positions
+    pos = _as(where, make_chunk, batch, 0, dev).pos      # [b, S]; packed positions checked as forward does
     if anchors is None:
         anchors = torch.arange(max(S - 1, 0), device=dev)
     anchors = anchors.to(dev, torch.long).reshape(-1)

@@ -257,3 +257,115 @@ def test_dspark_rings_after_rollback():
         want = dspark.dspark_draft(params, nxt, oj.main_hidden, cfg=cfg, state=s)
         assert torch.equal(got.out_ids, want.out_ids), m
         torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-3 * float(want.logits.abs().max()))
+
+
+# ----------------------------------------------------------------------------- bad input (forward's checks)
+@pytest.fixture(scope="module")
+def tiny_inputs():
+    """A tiny model, 2 rows of 12 ids with their main_hidden, and a state prefilled with 8 of them."""
+    cfg, params = _tiny_model()
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(2))
+    mh = fd.forward(params, {"input_ids": ids}, cfg=cfg).main_hidden
+    o = fd.forward(params, {"input_ids": ids[:, :8]}, cfg=cfg, state=init_state(cfg, 2, 32))
+    st = dspark.dspark_prefill(params, o.main_hidden, cfg=cfg, state=o.state)
+    return cfg, params, ids, mh, st, o.main_hidden[:, -1:]
+
+
+def _with_id(ids, v):
+    bad = ids.clone()
+    bad[1, 4] = v
+    return bad
+
+
+def _no_mtp(params):
+    return {k: v for k, v in params.items() if k != "mtp"}
+
+
+_PACKED_BAD = torch.tensor([[0, 1, 2, 5, 6, 7, 0, 1, 2, 3, 4, 5]] * 2)       # 2 -> 5 within a sample
+_NEGATIVE = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 2)
+
+
+@pytest.mark.parametrize("make, err, match", [     # make(params, ids) -> (params, input_ids, extra kwargs)
+    (lambda p, i: (p, _with_id(i, 600), {}), ValueError,
+     r"dspark_forward: token id 600 is outside the vocabulary \[0, 512\)"),
+    (lambda p, i: (p, _with_id(i, -1), {}), ValueError, r"dspark_forward: token id -1 is outside the vocabulary"),
+    (lambda p, i: (p, i.float() + 0.7, {}), TypeError,
+     r"dspark_forward: input_ids must be an integer tensor, got torch.float32"),
+    (lambda p, i: (p, i, dict(anchors=torch.tensor([2.5]))), TypeError,
+     r"dspark_forward: anchors must be an integer tensor \[n\] of main positions, got torch.float32"),
+    (lambda p, i: (p, i, dict(positions=_PACKED_BAD)), ValueError,
+     r"dspark_forward: positions must count 0, 1, 2, \.\.\. within each packed sample"),
+    (lambda p, i: (p, i, dict(positions=_NEGATIVE)), ValueError,
+     r"dspark_forward: positions must count 0, 1, 2, \.\.\. within each packed sample"),
+    (lambda p, i: (p, i, dict(positions=torch.arange(12.0).expand(2, 12))), TypeError,
+     r"dspark_forward: positions must be an integer tensor"),
+    (lambda p, i: (p, i, dict(positions=torch.arange(12)[None])), ValueError,
+     r"dspark_forward: positions \(1, 12\) must match input_ids \(2, 12\)"),
+    (lambda p, i: (_no_mtp(p), i, {}), ValueError,
+     r"dspark_forward: params have 0 DSpark stages \('mtp'\), the config 2"),
+], ids=["id-600", "id-negative", "float-ids", "float-anchors", "positions-not-counting", "positions-negative",
+        "float-positions", "positions-shape", "no-mtp"])
+def test_dspark_forward_refuses_bad_input(tiny_inputs, make, err, match):
+    """forward's own input checks (model.py: _check_ids, _check_inputs' vocabulary range, make_chunk's
+    positions), named after dspark_forward: a bare IndexError from the embedding / KeyError 'mtp' before, and float
+    ids, float anchors and bad packed positions ran silently."""
+    cfg, params, ids, mh, _, _ = tiny_inputs
+    p, x, kw = make(params, ids)
+    with pytest.raises(err, match=match):
+        dspark.dspark_forward(p, mh, x, cfg=cfg, **kw)
+
+
+def test_dspark_forward_validate_false_skips_only_the_data_checks(tiny_inputs):
+    """validate=False (as forward's) skips the vocabulary range (a device sync); the host-only checks stay."""
+    cfg, params, ids, mh, _, _ = tiny_inputs
+    with pytest.raises(TypeError, match="dspark_forward: input_ids must be an integer tensor"):
+        dspark.dspark_forward(params, mh, ids.float(), cfg=cfg, validate=False)
+    with pytest.raises(ValueError, match=r"dspark_forward: params have 0 DSpark stages"):
+        dspark.dspark_forward(_no_mtp(params), mh, ids, cfg=cfg, validate=False)
+    a = dspark.dspark_forward(params, mh, ids, cfg=cfg, anchors=torch.tensor([1, 6]))
+    b = dspark.dspark_forward(params, mh, ids.int(), cfg=cfg, anchors=torch.tensor([1, 6], dtype=torch.int32),
+                              validate=False)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.targets, b.targets)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(-1.0, 1.0), (float("nan"), 1.0), (float("inf"), 1.0),
+                                                (True, 1.0), ("0.5", 1.0), (1.0, 0.0), (1.0, 5.0),
+                                                (1.0, float("nan")), (1.0, -0.5)])
+def test_dspark_draft_refuses_bad_sampling(tiny_inputs, temperature, top_p):
+    """generate's rule (generate._real: finite, not a bool): -1 ran greedy silently, NaN / top_p=0 failed inside
+    torch.multinomial, top_p=5 was taken."""
+    cfg, params, ids, _, st, mh_p = tiny_inputs
+    with pytest.raises(ValueError, match=r"dspark_draft: need temperature >= 0 \(0 = greedy\) and 0 < top_p <= 1, "
+                                         r"got temperature="):
+        dspark.dspark_draft(params, ids[:, 8], mh_p, cfg=cfg, state=st, temperature=temperature, top_p=top_p)
+
+
+@pytest.mark.parametrize("last, err, match", [
+    (torch.tensor([5, 600]), ValueError, r"dspark_draft: last_token holds token id 600, outside the vocabulary "
+                                         r"\[0, 512\)"),
+    (torch.tensor([-1, 5]), ValueError, r"dspark_draft: last_token holds token id -1, outside the vocabulary"),
+    (torch.tensor([4.7, 5.0]), TypeError, r"dspark_draft: last_token must be an integer tensor \[b\] \(or \[b, 1\]\) "
+                                          r"of token ids, got torch.float32"),
+    ([4, 5], TypeError, r"dspark_draft: last_token must be an integer tensor .* got list"),
+])
+def test_dspark_draft_refuses_bad_last_token(tiny_inputs, last, err, match):
+    """A bare IndexError from the embedding before; a float token was truncated silently. The state is kept."""
+    cfg, params, ids, _, st, mh_p = tiny_inputs
+    before = [c.window_kv.clone() for c in st.dspark]
+    with pytest.raises(err, match=match):
+        dspark.dspark_draft(params, last, mh_p, cfg=cfg, state=st)
+    assert st.dspark_pos == 8 and all(torch.equal(a, c.window_kv) for a, c in zip(before, st.dspark))
+
+
+def test_dspark_draft_checks_params_and_validate_flag(tiny_inputs):
+    cfg, params, ids, _, st, mh_p = tiny_inputs
+    with pytest.raises(ValueError, match=r"dspark_draft: params have 0 DSpark stages \('mtp'\)"):
+        dspark.dspark_draft(_no_mtp(params), ids[:, 8], mh_p, cfg=cfg, state=st)
+    # validate=False skips only the vocabulary range (a device sync); the result is the same
+    a = dspark.dspark_draft(params, ids[:, 8], mh_p, cfg=cfg, state=st)
+    b = dspark.dspark_draft(params, ids[:, 8:9], mh_p, cfg=cfg, state=st, validate=False)
+    assert torch.equal(a.out_ids, b.out_ids) and torch.equal(a.logits, b.logits)
+    with pytest.raises(TypeError, match="dspark_draft: last_token must be an integer tensor"):
+        dspark.dspark_draft(params, ids[:, 8].float(), mh_p, cfg=cfg, state=st, validate=False)
+    with pytest.raises(ValueError, match="dspark_draft: need temperature >= 0"):
+        dspark.dspark_draft(params, ids[:, 8], mh_p, cfg=cfg, state=st, temperature=-1.0, validate=False)

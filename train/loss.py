@@ -151,8 +151,9 @@ def compute_losses(params: dict, batch: Mapping[str, torch.Tensor], *, cfg, coef
                              "set --loss.draft=0")
         ids = batch["input_ids"]
         anchors = torch.arange(0, ids.shape[1] - 1, max(int(draft_anchor_stride), 1), device=ids.device)
+        dkw = {"validate": False} if _accepts(draft_forward, "validate") else {}   # forward checked these inputs
         d = draft_forward(params, out.main_hidden, ids, cfg=cfg, positions=inputs.get("positions"),
-                          anchors=anchors, mode=mode)                   # logits [b, n, B, V], targets [b, n, B]
+                          anchors=anchors, mode=mode, **dkw)            # logits [b, n, B, V], targets [b, n, B]
         tgt = torch.where((d.targets < 0) | (d.targets == pad_id), torch.full_like(d.targets, IGNORE), d.targets)
         parts["draft"] = cross_entropy(d.logits, tgt)
     if "indexer_kl" in on:
