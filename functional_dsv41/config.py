@@ -83,7 +83,7 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     the new one, never a torn one (``Config.to_json`` and train/run.py's record files)."""
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w") as fh:
+        with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())

@@ -31,6 +31,7 @@ import numbers
 import operator
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -268,7 +269,7 @@ def _speculative(params, cfg, state, tokens, in_prompt, lens, total, max_new, T,
     while q + 1 < total and not bool(done.all()):
         Be = min(B, total - 1 - q)                                     # block positions q+1 .. q+Be
         d = dspark_draft(params, last, mh_last, cfg=cfg, state=state, temperature=T, top_p=top_p, generator=g,
-                         mode=kw["mode"], impl=kw["impl"], dispatch=kw["dispatch"])
+                         mode=kw["mode"], impl=kw["impl"], dispatch=kw["dispatch"], validate=False)  # ids: ours
         forced = in_prompt[:, q + 1:q + 1 + Be]
         blk = torch.where(forced, tokens[:, q + 1:q + 1 + Be], d.out_ids[:, 1:1 + Be])
         chunk = torch.cat([last[:, None], blk], 1)
@@ -319,6 +320,41 @@ def _note(step_toks, tok, emitted, stream):
             step_toks[r].append(t)
 
 
+def _textless_ids(tok, vocab_size: int) -> frozenset:
+    """The ids in [0, vocab_size) that ``tok`` has no token for: a padded vocabulary (the release's config.json
+    has more ids than its tokenizer.json) or a tokenizer.json that does not belong to the config. The model can
+    emit them; ``tok.decode`` drops them from the text silently."""
+    known = set(tok.get_vocab(with_added_tokens=True).values())
+    return frozenset(range(vocab_size)) - known
+
+
+def _textless_note(tok, vocab_size: int, textless: frozenset, ckpt) -> str:
+    """The CLI's one stderr line about ids without text (printed when the first one is generated)."""
+    return (f"the model generated token id(s) that {Path(ckpt) / 'tokenizer.json'} has no text for: config.json's "
+            f"vocab_size is {vocab_size}, the tokenizer has {tok.get_vocab_size()} ids, {len(textless)} of the "
+            f"model's ids have no token; each is shown as <id N>")
+
+
+def _render(tok, ids: Sequence[int], textless) -> str:
+    """The text of ``ids`` as the CLI streams it: the tokenizer's decoding (special tokens kept), except that an id
+    in ``textless`` (see ``_textless_ids``), which ``tok.decode`` would drop silently, is shown as ``<id N>``.
+    Runs of decodable ids are decoded together (a multi-byte character spans tokens), so without textless ids this
+    is ``tok.decode(ids, skip_special_tokens=False)``."""
+    from .train.tokenizer import decode
+    parts, run = [], []
+    for i in ids:
+        if i in textless:
+            if run:
+                parts.append(decode(tok, run, skip_special_tokens=False))
+                run = []
+            parts.append(f"<id {i}>")
+        else:
+            run.append(i)
+    if run or not parts:
+        parts.append(decode(tok, run, skip_special_tokens=False))
+    return "".join(parts)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI: load a released-layout folder, tokenize ``--prompt``, stream the decoded text, print tokens/s."""
     ap = argparse.ArgumentParser(prog="python -m functional_dsv41.generate", description=__doc__.split("\n")[0])
@@ -341,7 +377,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "order; with no image token in the prompt one is put before the text")
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu (the default), cuda or cuda:N")
     args = ap.parse_args(argv)
-    from pathlib import Path
 
     def fail(msg: str) -> int:                  # bad input: one line and exit status 2, as argparse does
         print(f"error: {msg}", file=sys.stderr)
@@ -445,10 +480,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fail("the prompt encodes to no tokens")
     sofar: list[int] = []
     shown = [""]
+    textless = _textless_ids(tok, cfg.vocab_size)   # ids the model can emit that tokenizer.json has no token for
+    told = [False]
 
     def stream(step):
         sofar.extend(step[0])
-        text = tok.decode(sofar, skip_special_tokens=False)
+        if textless and not told[0] and any(i in textless for i in step[0]):
+            sys.stdout.flush()
+            print(f"\nnote: {_textless_note(tok, cfg.vocab_size, textless, ck)}", file=sys.stderr, flush=True)
+            told[0] = True
+        text = _render(tok, sofar, textless)
         if not text.endswith("\ufffd"):                          # wait for a whole UTF-8 character
             sys.stdout.write(text[len(shown[0]):])
             sys.stdout.flush()

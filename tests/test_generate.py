@@ -298,3 +298,71 @@ def test_seed_range_is_one_definition(monkeypatch, capsys):
     for seed, want in ((7, False), (8, True), (-1, True)):
         assert generate_refuses(seed) == cli_refuses(seed) == want, seed
     assert seen == [-2**63, 2**64 - 1, 7]
+
+
+def test_render_shows_ids_the_tokenizer_has_no_text_for():
+    """A padded vocabulary (config.json's vocab_size above the tokenizer's ids, as in the release): tok.decode drops
+    the ids it has no token for, so the CLI's text lost them silently. _render shows each as <id N>, and is
+    tok.decode(ids, skip_special_tokens=False) where every id has a token."""
+    import importlib
+    from functional_dsv41.train import tokenizer as T
+    gm = importlib.import_module("functional_dsv41.generate")
+    tok = T.load_tokenizer()
+    n = tok.get_vocab_size()
+    textless = gm._textless_ids(tok, n + 256)
+    assert textless == frozenset(range(n, n + 256)) and gm._textless_ids(tok, n) == frozenset()
+    assert tok.decode([5, n + 70, 7]) == tok.decode([5, 7])       # the library's silent drop
+    assert gm._render(tok, [5, n + 70, 7, n + 143], textless) == \
+        tok.decode([5]) + f"<id {n + 70}>" + tok.decode([7]) + f"<id {n + 143}>"
+    assert gm._render(tok, [n], textless) == f"<id {n}>" and gm._render(tok, [], textless) == ""
+    ids = tok.encode("<｜User｜>Once upon a time, a café 猫").ids              # a character spans byte tokens
+    assert gm._render(tok, ids, textless) == tok.decode(ids, skip_special_tokens=False)
+    assert gm._render(tok, ids[:-1], textless).endswith("\ufffd")          # (the CLI waits for the rest)
+
+
+def test_cli_shows_generated_ids_without_text(tmp_path, monkeypatch, capsys):
+    """The review's repro: a vocab_size=1024 checkpoint with the shipped 768-id tokenizer printed '[N tokens ...]'
+    while ids 768..1023 produced no text. Now each shows as <id N> in the stream and one stderr note says why."""
+    import importlib
+    import shutil
+    gm = importlib.import_module("functional_dsv41.generate")
+    from functional_dsv41.train import tokenizer as T
+    cfg = fd.Config.tiny().replace(vocab_size=1024, engram_layer_ids=(), engram_num_embeddings=())  # no Engram
+    cfg.to_json(tmp_path / "config.json")
+    fd.save_params(fd.init_params(cfg, seed=0), tmp_path, cfg)
+    shutil.copy(T.TOKENIZER_JSON, tmp_path / "tokenizer.json")          # 768 ids; the model's 1024
+    tok = T.load_tokenizer()
+    steps = [[5], [838], [7], [911], [9]]
+
+    def fake_generate(params, prompts, *, stream, **kw):
+        for s in steps:
+            stream([s])
+        res = gm.GenerateResult([[t for s in steps for t in s]])
+        res.stats = dict(new_tokens=[len(steps)], seconds=0.5, stop=["length"], main_forwards=len(steps) - 1)
+        return res
+    monkeypatch.setattr(gm, "generate", fake_generate)
+    rc = gm.main(["--ckpt", str(tmp_path), "--prompt", "Once", "--max-new-tokens", str(len(steps))])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    text = out.split("\n[")[0]
+    assert text == "Once" + tok.decode([5]) + "<id 838>" + tok.decode([7]) + "<id 911>" + tok.decode([9]), out
+    assert err.count("note:") == 1 and "error" not in err, err
+    assert (f"note: the model generated token id(s) that {tmp_path / 'tokenizer.json'} has no text for: config.json's "
+            f"vocab_size is 1024, the tokenizer has 768 ids, 256 of the model's ids have no token; each is shown as "
+            f"<id N>") in err, err
+    # the real model on that checkpoint: every generated id is in the text, as itself or as <id N>
+    monkeypatch.undo()
+    seen = []
+    real = gm.generate
+
+    def spy(*a, **kw):
+        res = real(*a, **kw)
+        seen.extend(res[0])
+        return res
+    monkeypatch.setattr(gm, "generate", spy)
+    assert gm.main(["--ckpt", str(tmp_path), "--prompt", "Once", "--max-new-tokens", "12", "--temperature", "1"]) == 0
+    out, err = capsys.readouterr()
+    textless = frozenset(range(768, 1024))
+    full, shown = "Once" + gm._render(tok, seen, textless), out.split("\n[")[0]
+    assert shown == full or (full.endswith("\ufffd") and full.startswith(shown)), (shown, full)   # (a partial char)
+    assert ("note:" in err) == any(t in textless for t in seen)

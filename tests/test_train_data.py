@@ -223,3 +223,128 @@ def test_set_state_accepts_every_reachable_state_and_refuses_others():
         assert b.state() == {"epoch": 1, "offset": 2}      # a refused state changes nothing
     b.set_state({"epoch": np.int64(2), "offset": np.int64(rows - 1)})
     assert b.state() == {"epoch": 2, "offset": rows - 1}
+
+
+# ----------------------------------------------------------------------------- train/tokenizer.py: writing, decoding
+def test_train_tokenizer_writes_atomically(tmp_path, monkeypatch):
+    """tokenizer.json was written in place (tok.save): a write that failed part way (a full disk, RLIMIT_FSIZE) left
+    a torn, unloadable file where a good one stood (the default --out is the shipped data/tokenizer.json). Now the
+    write goes through config.write_atomic: the old file stays byte-identical and no temporary file remains."""
+    import errno
+
+    from functional_dsv41 import config as C
+    out = tmp_path / "tokenizer.json"
+    old = open(T.TOKENIZER_JSON, "rb").read()
+    out.write_bytes(old)
+    real_open = open
+
+    class Torn:                                  # writes half of the text, then the disk is full
+        def __init__(self, *a, **kw):
+            self.fh = real_open(*a, **kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, text):
+            self.fh.write(text[:len(text) // 2])
+            self.fh.flush()
+            raise OSError(errno.EFBIG, "File too large")
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    monkeypatch.setattr(C, "open", Torn, raising=False)
+    with pytest.raises(OSError, match="File too large"):
+        T.train_tokenizer(vocab_size=300, out=str(out))          # different content from the old file
+    assert out.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    monkeypatch.undo()
+    # a good write: the bytes tok.save wrote, and a file load_tokenizer reads
+    tok = T.train_tokenizer(vocab_size=300, out=str(out))
+    saved = tmp_path / "saved.json"
+    tok.save(str(saved))
+    assert out.read_bytes() == saved.read_bytes()
+    assert T.load_tokenizer(str(out)).get_vocab_size() == 300
+
+
+def test_train_tokenizer_survives_a_real_file_size_limit(tmp_path):
+    """The review's repro: under RLIMIT_FSIZE the old code left a truncated tokenizer.json."""
+    resource = pytest.importorskip("resource")
+    import subprocess
+    import sys
+    out = tmp_path / "tokenizer.json"
+    old = open(T.TOKENIZER_JSON, "rb").read()
+    out.write_bytes(old)
+    code = ("import resource, sys\n"
+            "from functional_dsv41.train import tokenizer as T\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+            "T.train_tokenizer(vocab_size=300, out=sys.argv[1])\n")
+    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "File too large" in r.stderr, r.stderr
+    assert out.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+
+
+def test_train_tokenizer_refuses_bad_arguments_by_name(tmp_path, capsys):
+    """--vocab 5 was 'OverflowError: can't convert negative int to unsigned', --corpus /nonexistent 'Exception: No
+    such file or directory (os error 2)' without the path; now argparse errors naming them, before any training
+    or writing."""
+    out = tmp_path / "tokenizer.json"
+    out.write_bytes(b"old")
+
+    def cli_error(*argv):
+        with pytest.raises(SystemExit) as e:
+            T.main([*argv, "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert out.read_bytes() == b"old", err                   # nothing written
+        return err
+
+    assert cli_error("--vocab", "5").endswith("error: --vocab 5 is too small: the tokenizer needs at least "
+                                              "265 ids (3 specials, 256 byte tokens, 6 chat/image/DSpark specials)")
+    assert "--vocab 264 is too small" in cli_error("--vocab", "264")
+    assert cli_error("--corpus", "/nonexistent").endswith("error: --corpus /nonexistent: no such file")
+    assert cli_error("--corpus", str(tmp_path)).endswith(f"error: --corpus {tmp_path}: a directory, not a text file")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    err = cli_error("--corpus", str(bad))
+    assert f"corpus {bad}: cannot train on it (stream did not contain valid UTF-8)" in err, err
+    err = cli_error("--corpus", "/nonexistent", "--vocab", "5")            # every problem at once
+    assert "--vocab 5 is too small" in err and "--corpus /nonexistent: no such file" in err
+    with pytest.raises(SystemExit):
+        T.main(["--out", str(tmp_path / "no" / "such" / "dir.json")])
+    assert f"its folder {tmp_path / 'no' / 'such'} does not exist" in capsys.readouterr().err
+    # the function refuses the same way (ValueError), and the minimum itself trains
+    least = T.min_vocab_size()
+    assert least == 3 + 256 + len(T.TOP_SPECIALS) == 265
+    with pytest.raises(ValueError, match=r"train_tokenizer: vocab_size 5 is too small: .* at least 265 ids"):
+        T.train_tokenizer(vocab_size=5, out=None)
+    with pytest.raises(ValueError, match="train_tokenizer: corpus /nonexistent: no such file"):
+        T.train_tokenizer(corpus="/nonexistent", out=None)
+    assert T.train_tokenizer(vocab_size=least, out=None).get_vocab_size() == least
+
+
+def test_checked_decode_names_ids_the_tokenizer_cannot_decode():
+    """tok.decode([5, 10**6, 7]) dropped 10**6 from the text silently and tok.decode([-1]) raised OverflowError;
+    T.decode raises a ValueError naming the ids, and decodes valid ids exactly as tok.decode does."""
+    tok = T.load_tokenizer()
+    n = tok.get_vocab_size()
+    assert tok.decode([5, 10**6, 7]) == tok.decode([5, 7])            # the library's silent drop, documented
+    with pytest.raises(ValueError, match=rf"decode: token id\(s\) 1000000 not in the tokenizer's vocabulary "
+                                         rf"\(integers in \[0, {n}\) with a token\)"):
+        T.decode(tok, [5, 10**6, 7])
+    with pytest.raises(ValueError, match=r"token id\(s\) -1 not"):
+        T.decode(tok, [-1])
+    with pytest.raises(ValueError, match=rf"token id\(s\) {n}, True, 2.0 not"):
+        T.decode(tok, [n, 3, True, 2.0])
+    with pytest.raises(ValueError, match=rf"{n}, {n + 1}, .*\.\.\. \(20 in all\)"):
+        T.decode(tok, list(range(n, n + 20)))
+    assert T.undecodable_ids(tok, [0, n - 1, n, -3]) == [n, -3]
+    ids = tok.encode("Once upon a time, there was a café. <｜User｜>").ids
+    assert T.decode(tok, ids) == tok.decode(ids)
+    assert T.decode(tok, np.array(ids)) == T.decode(tok, torch.tensor(ids)) == tok.decode(ids)
+    assert T.decode(tok, ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+    assert T.decode(tok, []) == ""
