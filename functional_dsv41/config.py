@@ -28,6 +28,19 @@ AttnMode = Literal["window", "full", "reindex", "reuse"]
 
 _FP8_BLOCK = 32  # dense fp8 weights: 32x32 blocks; activations: 1x32 (SPEC §9)
 _FP4_BLOCK = 32  # fp4 experts: 1x32 blocks
+_INT64_MAX = (1 << 63) - 1
+# Config._check_sizes: the largest parameter shapes of params/spec.py by the part that has them ("" always); a factor
+# hc_mult + 2, hc_mult + 1 or engram_max_ngram_size - 1 counts as 3 * hc_mult, 2 * hc_mult or engram_max_ngram_size
+_BIG_SHAPES = {
+    "": "vocab_size*dim 3*hc_mult*hc_mult*hc_mult*dim q_lora_rank*dim n_heads*head_dim*q_lora_rank head_dim*dim "
+        "n_heads*head_dim*o_lora_rank o_groups*o_lora_rank*dim index_n_heads*index_head_dim*q_lora_rank "
+        "index_n_heads*dim index_head_dim*head_dim n_routed_experts*dim moe_inter_dim*dim "
+        "n_shared_experts*moe_inter_dim*dim",
+    "engram": "engram_num_embeddings*engram_head_dim "
+              "2*hc_mult*dim*engram_max_ngram_size*engram_n_heads*engram_head_dim",
+    "dspark": "dspark_target_layer_ids*dim*dim vocab_size*dspark_markov_rank dspark_n_routed_experts*dim",
+    "vision": "3*vision_dim*vision_dim 2*vision_inter_dim*vision_dim 3*vision_patch_size*vision_patch_size*vision_dim "
+              "vision_downsample_ratio*vision_downsample_ratio*vision_dim*dim"}
 
 
 class ConfigError(ValueError):
@@ -216,7 +229,10 @@ class Config:
         Every field must be present except the five of :data:`OPTIONAL_KEYS` (SPEC §0: absent from the
         release's config.json, the reference's defaults apply). Raises TypeError for something that is not a
         dict of string keys (a path: use :meth:`from_json`), ConfigError naming the unknown, missing or
-        invalid key(s), and for the Hugging Face top-level config.json (other key names).
+        invalid key(s), for the Hugging Face top-level config.json (other key names), and for Engram tables
+        (``engram_num_embeddings``) of other sizes than the hash layout's (SPEC §6.2: forward refused them, after
+        init_params / load_params had made them). Only here: code builds configs whose tables it fills itself
+        (train/settings.py's ``tiny_model`` probes the layout with 1-row tables).
         """
         if isinstance(d, (str, bytes, os.PathLike)):
             raise TypeError(f"Config.from_dict: got a path {d!r}, not a dict; read a config.json file with "
@@ -242,7 +258,14 @@ class Config:
             raise ConfigError(f"missing config key(s): {', '.join(missing)} (only "
                               f"{', '.join(sorted(OPTIONAL_KEYS))} may be left out, SPEC §0; the others would "
                               f"silently take the release's values)")
-        return cls(**d)
+        cfg = cls(**d)
+        if cfg.engram_layer_ids:                  # (lazy: engram.py imports torch; the layout is memoised)
+            from functional_dsv41.engram import layout
+            try:
+                layout(cfg)
+            except ValueError as e:
+                raise ConfigError(f"engram_num_embeddings: {e}") from None
+        return cfg
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "Config":
@@ -312,6 +335,10 @@ class Config:
             elif t == "bool":
                 if not isinstance(v, bool):
                     bad(f.name, f"expected true/false, got {v!r}")
+            if t == "int" or t.startswith("tuple"):      # torch takes every size and id as an int64
+                big = [i for i in (v if isinstance(v, tuple) else (v,)) if abs(i) > _INT64_MAX]
+                if big:
+                    bad(f.name, f"{short_repr(big[0])} does not fit in int64 (torch takes sizes and ids as int64)")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
                      "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts", "moe_inter_dim",
                      "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
@@ -478,6 +505,42 @@ class Config:
                 bad("vision_n_heads", f"vision head dim vision_dim / vision_n_heads = {self.vision_dim} / "
                                       f"{self.vision_n_heads} = {hd} is not a multiple of 4 (the 2D RoPE splits "
                                       f"each head into halves of hd/2 angles, half of them per axis)")
+        self._check_sizes(bad)
+
+    def _check_sizes(self, bad) -> None:
+        """Sizes past which init_params / param_spec / load_params failed inside torch ("Overflow when unpacking long
+        long", "Storage size calculation overflowed") or ran for days: a parameter's bytes, even at 8 an element (an
+        fp64 master), must fit int64; the tree lists <= 2**22 tensors (one per expert and layer, each handled in Python:
+        the release has ~96k); the Engram layout's primes (one per layer, n-gram order and head, found by trial division
+        above engram_vocab_size) are <= 2**10, above <= 2**32 (~2 s; the release's 48 above 16e6 take ~0.02 s)."""
+        on = {"": True, "engram": bool(self.engram_layer_ids), "dspark": self.n_mtp_layers > 0,
+              "vision": self.vision_n_layers > 0}
+        v = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        v.update(engram_num_embeddings=max(self.engram_num_embeddings, default=0),
+                 dspark_target_layer_ids=len(self.dspark_target_layer_ids))
+        for shape in (sh for part, shapes in _BIG_SHAPES.items() if on[part] for sh in shapes.split()):
+            fs = shape.split("*")
+            n = math.prod(int(x) if x.isdigit() else v[x] for x in fs)
+            if n * 8 > _INT64_MAX:
+                bad(max((x for x in fs if not x.isdigit()), key=v.get),
+                    f"a parameter of {shape} = {short_repr(n)} elements is too large (its bytes do not fit in int64)")
+        counts = {"n_layers": self.n_total_layers, "n_routed_experts": self.n_routed_experts,
+                  "dspark_n_routed_experts": self.dspark_n_routed_experts * on["dspark"],
+                  "vision_n_layers": self.vision_n_layers}
+        tensors = self.n_total_layers * (6 * max(self.n_routed_experts, counts["dspark_n_routed_experts"]) + 64) \
+            + 16 * self.vision_n_layers
+        if tensors > 1 << 22:
+            bad(max(counts, key=counts.get), f"the parameter tree would list ~{short_repr(tensors)} tensors ((n_layers "
+                                             f"+ n_mtp_layers) * (6 * experts + 64) + 16 * vision_n_layers), more than "
+                                             f"2**22 (the release lists ~96k)")
+        if on["engram"]:
+            primes = len(self.engram_layer_ids) * (self.engram_max_ngram_size - 1) * self.engram_n_heads
+            if primes > 1 << 10:
+                bad("engram_n_heads", f"the Engram layout needs a prime per layer, n-gram order and head: {primes}, "
+                                      f"more than 2**10 (the release needs 48)")
+            if self.engram_vocab_size > 1 << 32:
+                bad("engram_vocab_size", f"{self.engram_vocab_size} > 2**32 (the Engram layout's primes are found by "
+                                         f"trial division above it; the release's is 16000000)")
 
     @staticmethod
     def _last_at_or_before(layers: tuple[int, ...], L: int) -> Optional[int]:

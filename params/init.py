@@ -41,6 +41,7 @@ def _draw(e: Entry, gen: torch.Generator) -> torch.Tensor:
 
 
 _QUANTIZERS = {"fp8": quant.quant_fp8_block, "fp4": quant.quant_fp4, "rows": quant.quant_fp8_rows}
+_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _seed(seed) -> int:
@@ -68,7 +69,9 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     ``master=True`` (or any ``dtype_master``): FLOAT master weights for training with QAT
     (``linear(..., mode="qat")``): every quantized weight becomes a ``dtype_master`` (default fp32)
     tensor of its logical shape with no ``scale`` sibling; other tensors keep their storage dtype
-    unless ``dtype_master`` is given. ``param_spec(cfg, master=True)`` describes this tree.
+    unless ``dtype_master`` is given. ``param_spec(cfg, master=True)`` describes this tree. ``dtype_master`` must be
+    a float torch.dtype (fp32, bf16, fp16, fp64): TypeError / ValueError otherwise (torch.int64 gave all-zero weights).
+    ValueError for ``cfg.engram_num_embeddings`` that do not fit the Engram hash layout (forward refused the tables).
 
     Deterministic for a seed (CPU generator; tensors are moved to ``device`` at the end).
     ``draw_on_device=True``: draw and quantize on ``device`` with its own generator instead (seconds
@@ -84,6 +87,18 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
         raise ValueError("init_params: device='meta' would draw every tensor on the CPU to return shapes only; "
                          "fd.param_spec(cfg) gives the same tree of meta tensors without drawing anything")
     seed = _seed(seed)
+    if dtype_master is not None and not isinstance(dtype_master, torch.dtype):
+        raise TypeError(f"init_params: dtype_master must be a torch.dtype such as torch.float32, got "
+                        f"{dtype_master!r} ({type(dtype_master).__name__})")
+    if dtype_master is not None and dtype_master not in _MASTER_DTYPES:   # an integer one gave all-zero weights
+        raise ValueError(f"init_params: dtype_master must be a float dtype ({', '.join(map(str, _MASTER_DTYPES))}) "
+                         f"for float master weights, got {dtype_master} (master=False gives the storage formats)")
+    if cfg.engram_layer_ids:   # tables of other sizes than the hash layout's: forward would refuse them (SPEC §6.2)
+        from functional_dsv41.engram import layout
+        try:
+            layout(cfg)
+        except ValueError as e:
+            raise ValueError(f"init_params: {e}") from None
     as_master = master or dtype_master is not None
     gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(seed)
     flat = {}

@@ -8,7 +8,9 @@ Lossless torch <-> numpy: orbax stores numpy arrays, and numpy has no bfloat16 /
 those tensors are stored as their raw bits (bf16 -> uint16, fp8 e4m3 / e8m0 / packed fp4 -> uint8,
 ``Tensor.view``) and the torch dtype is recorded in ``meta["dtypes"]``; restore views the bits back.
 Every other dtype (fp32, int64, bool ...) round-trips through ``Tensor.numpy()`` unchanged. Restore
-reads into a numpy template of the recorded shapes/dtypes, so no int64 is narrowed on the way.
+reads into a numpy template of the recorded shapes/dtypes, so no int64 is narrowed on the way; it first checks the
+meta (its fields' types, and its dtypes and shapes against the arrays orbax stored), so that a hand-edited one is
+refused, naming the field, instead of casting the stored bits to another dtype.
 
 Saving is asynchronous (``CheckpointManager`` with ``enable_async_checkpointing``): ``save`` copies the
 tensors to numpy on the caller's thread (the arrays it hands over never change afterwards), orbax
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 
 from functional_dsv41 import sharding
+from functional_dsv41.config import short_repr
 
 # torch dtypes numpy lacks -> the unsigned int type of the same width holding their bits
 _BITS = {torch.bfloat16: torch.uint16, torch.float16: None, torch.float8_e4m3fn: torch.uint8,
@@ -52,6 +56,7 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=None)
 def _numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype ``to_numpy`` gives a tensor of the torch dtype ``name`` (no tensor of that dtype is made:
     under ``torch.use_deterministic_algorithms(True)`` torch fills new storage, and has no fill for fp4)."""
@@ -226,15 +231,68 @@ class TrainCheckpointer:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
+    def _check_meta(self, step: int, meta) -> None:
+        """ValueError unless ``meta`` is one ``save`` could have written for the arrays the checkpoint holds: a
+        hand-edited or damaged one ("opt_count": "x", a dtype "float64" recorded for bf16 bits) was restored as it
+        was, and failed later (the optimizer's TypeError mid-run) or reinterpreted the stored bits silently."""
+        where = os.path.join(self.directory, str(step), "meta")
+
+        def bad(msg):
+            raise ValueError(f"{where}: {msg}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(meta, dict):
+            bad(f"expected a JSON object, got {type(meta).__name__}")
+        for k, ok, what in (("step", is_int, "an integer"), ("opt_count", is_int, "an integer"),
+                            ("data", lambda v: isinstance(v, dict), "an object"),
+                            ("dtypes", lambda v: isinstance(v, dict), "an object"),
+                            ("shapes", lambda v: isinstance(v, dict), "an object"),
+                            ("extra", lambda v: isinstance(v, dict), "an object")):
+            if k not in meta and k != "extra":
+                bad(f"{k!r} is missing")
+            if k in meta and not ok(meta[k]):
+                bad(f"{k!r} must be {what}, got {short_repr(meta[k], 60)}")
+        if meta["step"] != step:
+            bad(f"records step {meta['step']} but is the checkpoint of step {step}")
+        if meta["opt_count"] < 0:
+            bad(f"'opt_count' must be >= 0, got {meta['opt_count']}")
+        handler = self._ocp.StandardCheckpointHandler()
+        try:                                    # the stored arrays' dtypes and shapes (orbax's own metadata)
+            from etils import epath
+            stored = dict(handler.metadata(epath.Path(self.directory) / str(step) / "state").tree)
+        finally:
+            handler.close()
+        dtypes, shapes = meta["dtypes"], meta["shapes"]
+        if set(dtypes) != set(stored) or set(shapes) != set(stored):
+            bad(f"dtypes / shapes do not list the stored arrays (they differ at "
+                f"{sorted(set(dtypes) ^ set(stored) | set(shapes) ^ set(stored))[:5]})")
+        for k, a in stored.items():
+            name, shape = dtypes[k], shapes[k]
+            try:
+                want = _numpy_dtype(name) if isinstance(getattr(torch, str(name), None), torch.dtype) else None
+            except (TypeError, RuntimeError, NotImplementedError):      # a torch dtype numpy cannot hold (complex32)
+                want = None
+            if want is None:
+                bad(f"dtypes[{k!r}] = {short_repr(name, 40)} is not a torch dtype a checkpoint holds")
+            if want != np.dtype(a.dtype):
+                bad(f"dtypes[{k!r}] = {name!r}, but the stored array holds {np.dtype(a.dtype)}, not {want}")
+            if not (isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape)
+                    and tuple(shape) == tuple(a.shape)):
+                bad(f"shapes[{k!r}] = {short_repr(shape, 40)}, but the array is stored as {list(a.shape)}")
+
     def restore(self, step: Optional[int] = None) -> dict:
         """Restore a train state. Returns {"step", "params", "opt_state", "data_state", "rng_state", "extra"}
-        with params/moments as flat ``{path: tensor}`` dicts in their saved dtypes."""
+        with params/moments as flat ``{path: tensor}`` dicts in their saved dtypes. ValueError (naming the field) for a
+        ``meta`` that does not fit the stored arrays or has a value of the wrong type (``_check_meta``)."""
         ocp = self._ocp
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no finished checkpoint in {self.directory}")
         with _quiet_failed_restore():           # a damaged checkpoint: orbax's error, without its reads' tracebacks
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            self._check_meta(step, meta)
             template = {k: np.zeros(meta["shapes"][k], dtype=_numpy_dtype(d)) for k, d in meta["dtypes"].items()}
             arrays = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))).state
         # reshape: np.ascontiguousarray makes a 0-dim array 1-dim

@@ -378,3 +378,46 @@ def test_frozen_and_replace():
     with pytest.raises(ConfigError, match="compress_ratios"):
         c.replace(n_layers=11)
     assert fd.Config is Config
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(dim=10 ** 40), r"^dim: an integer of 41 digits does not fit in int64"),       # torch: "Overflow when unpacking"
+    (dict(vocab_size=2 ** 63), r"^vocab_size: 9223372036854775808 does not fit in int64"),
+    (dict(kv_source_layers=[2, 2 ** 64]), r"^kv_source_layers: 18446744073709551616 does not fit in int64"),
+    (dict(n_routed_experts=10 ** 12), r"^n_routed_experts: the parameter tree would list ~72000000000768 tensors"),  # hung
+    (dict(dim=2 ** 40), r"^dim: a parameter of dspark_target_layer_ids\*dim\*dim = \d+ elements is too large"),
+    (dict(vision_n_layers=1, vision_dim=2 ** 31), r"^vision_dim: a parameter of 3\*vision_dim\*vision_dim"),
+    (dict(engram_vocab_size=2 ** 40), r"^engram_vocab_size: 1099511627776 > 2\*\*32 \(the Engram layout's primes"),
+    (dict(engram_n_heads=1000), r"^engram_n_heads: the Engram layout needs a prime .*: 6000, more than 2\*\*10"),
+])
+def test_sizes_too_large_to_build_are_refused(changes, match):
+    """Integers a JSON file may hold but no model can use: init_params failed inside torch ("Overflow when unpacking
+    long long") or, for 10**12 experts, init_params / load_params looped for days."""
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict({**Config.tiny().to_dict(), **changes})
+
+
+def test_size_bounds_leave_room_and_cost_nothing():
+    import time
+    Config.tiny(n_routed_experts=30000)                               # 2.2M tensors: under the 2**22 bound
+    Config.tiny(vision_n_layers=1, vision_dim=2 ** 20)                 # large but fits int64
+    Config.tiny(vision_n_layers=0, vision_dim=2 ** 40)                 # vision off: its sizes build nothing
+    t = time.perf_counter()
+    for _ in range(10):
+        Config.flash()
+    assert (time.perf_counter() - t) / 10 < 0.05
+
+
+def test_engram_tables_must_fit_the_hash_layout(tmp_path):
+    """engram_num_embeddings [100, 100] passed from_dict, init_params, save_params and load_params; only forward
+    refused it (SPEC §6.2: the rows are the sum of the layout's primes)."""
+    d = {**Config.tiny().to_dict(), "engram_num_embeddings": [100, 100]}
+    with pytest.raises(ConfigError, match=r"^engram_num_embeddings: engram layout: layer 1 needs 2514 table rows "
+                                          r"\(sum of its primes\), config engram_num_embeddings\[0\] = 100$"):
+        Config.from_dict(d)
+    with pytest.raises(ConfigError, match=r"c.json: engram_num_embeddings: engram layout: layer 1 needs 2514"):
+        Config.from_json(_write(tmp_path, d, "c.json"))
+    with pytest.raises(ConfigError, match=r"layer 4 needs 2712 table rows .* engram_num_embeddings\[1\] = 2713"):
+        Config.from_dict({**d, "engram_num_embeddings": [2514, 2713]})
+    assert Config.from_dict(Config.flash().to_dict()) == Config.flash()
+    Config.from_dict({**d, "engram_layer_ids": [], "engram_num_embeddings": []})     # Engram off

@@ -184,3 +184,22 @@ def test_init_params_attaches_engram_token_map_from_a_tokenizer():
     import pytest
     with pytest.raises(ValueError, match="334"):
         fd.init_params(fd.Config.tiny(engram_compressed_vocab_size=300), seed=0, tokenizer=d / "tokenizer.json")
+
+
+@pytest.mark.parametrize("dtype_master,err,match", [
+    (torch.int64, ValueError, r"init_params: dtype_master must be a float dtype \(torch.float32, .*got torch.int64"),
+    (torch.float8_e4m3fn, ValueError, r"dtype_master must be a float dtype .*got torch.float8_e4m3fn"),
+    ("float32", TypeError, r"init_params: dtype_master must be a torch.dtype such as torch.float32, got 'float32'"),
+])
+def test_init_params_dtype_master_must_be_a_float_dtype(dtype_master, err, match):
+    """torch.int64 gave all-zero integer weights without a word; "float32" failed with "Invalid device string"."""
+    with pytest.raises(err, match=match):
+        fd.init_params(fd.Config.tiny(), seed=0, dtype_master=dtype_master)
+
+
+def test_init_params_refuses_engram_tables_off_the_layout():
+    """Tables of 100 rows were drawn (and saved, loaded); only forward refused them."""
+    cfg = fd.Config.tiny(engram_num_embeddings=(100, 100))      # (built in code: Config.from_dict refuses it)
+    with pytest.raises(ValueError, match=r"init_params: engram layout: layer 1 needs 2514 table rows \(sum of its "
+                                         r"primes\), config engram_num_embeddings\[0\] = 100"):
+        fd.init_params(cfg, seed=0)

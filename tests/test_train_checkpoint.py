@@ -183,3 +183,60 @@ def test_a_damaged_checkpoint_raises_orbaxs_error_and_nothing_else(tmp_path, cap
     finally:
         sys.unraisablehook = prev
     ck.close()
+
+
+def _edit_meta(step_dir, edit):
+    """Hand-edit a checkpoint's JSON meta item (``edit(meta)`` changes the dict in place)."""
+    import json
+    path = os.path.join(step_dir, "meta", "metadata")
+    with open(path) as fh:
+        meta = json.load(fh)
+    edit(meta)
+    with open(path, "w") as fh:
+        json.dump(meta, fh)
+
+
+def _set(d, key, value):
+    d[key] = value
+
+
+def test_a_hand_edited_meta_is_refused_naming_the_field(tmp_path):
+    """A meta edited by hand restored as it was: "opt_count": "x" failed in the optimizer mid-run (a TypeError), and a
+    dtype "float64" recorded for bf16 bits cast those bits to float64 values without a word."""
+    import re
+    import shutil
+
+    import pytest
+    ck = TrainCheckpointer(str(tmp_path / "good"), async_save=False)
+    p, o = _state(1)
+    ck.save(1, params=p, opt_state=o, data_state={"epoch": 0, "offset": 1}, rng_state=torch.get_rng_state())
+    ck.close()
+    cases = [
+        (lambda m: _set(m, "opt_count", "x"), r"'opt_count' must be an integer, got 'x'"),
+        (lambda m: _set(m, "opt_count", True), r"'opt_count' must be an integer, got True"),
+        (lambda m: _set(m, "data", [0, 1]), r"'data' must be an object, got \[0, 1\]"),
+        (lambda m: m.pop("dtypes"), r"'dtypes' is missing"),
+        (lambda m: _set(m, "step", 7), r"records step 7 but is the checkpoint of step 1"),
+        (lambda m: _set(m, "opt_count", -1), r"'opt_count' must be >= 0, got -1"),
+        (lambda m: _set(m["dtypes"], "params/embed.weight", "float64"),
+         r"dtypes\['params/embed.weight'\] = 'float64', but the stored array holds uint16, not float64"),
+        (lambda m: _set(m["dtypes"], "params/head.weight", "nn"),
+         r"dtypes\['params/head.weight'\] = 'nn' is not a torch dtype a checkpoint holds"),
+        (lambda m: _set(m["shapes"], "params/head.weight", [4, 5]),
+         r"shapes\['params/head.weight'\] = \[4, 5\], but the array is stored as \[5, 4\]"),
+        (lambda m: m["dtypes"].pop("params/head.weight"),
+         r"dtypes / shapes do not list the stored arrays \(they differ at \['params/head.weight'\]\)"),
+    ]
+    for edit, match in cases:
+        d = tmp_path / "edited"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(tmp_path / "good", d)
+        _edit_meta(str(d / "1"), edit)
+        ck = TrainCheckpointer(str(d), cleanup_tmp=False)
+        with pytest.raises(ValueError, match="^" + re.escape(f"{d / '1' / 'meta'}: ") + match):
+            ck.restore(1)
+        ck.close()
+    ck = TrainCheckpointer(str(tmp_path / "good"), cleanup_tmp=False)        # the unedited one restores
+    r = ck.restore(1)
+    assert r["opt_state"]["count"] == 1 and all(_same(r["params"][k].contiguous(), v) for k, v in p.items())
+    ck.close()

@@ -513,3 +513,35 @@ def test_a_runtime_error_that_is_not_out_of_memory_propagates(tmp_path, monkeypa
     monkeypatch.setattr(S, "make_step", make_step)
     with pytest.raises(RuntimeError, match="shape mismatch in some op"):
         run.train(_rc(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m.update(opt_count="x"), "meta: 'opt_count' must be an integer, got 'x'"),
+    (lambda m: m["data"].update(offset=10 ** 6), "PackedData.set_state: offset 1000000 out of range for epoch 0"),
+    (lambda m: m["dtypes"].update({"params/layers.2.attn.indexer.wk.weight": "float64"}),
+     "meta: dtypes['params/layers.2.attn.indexer.wk.weight'] = 'float64', but the stored array holds uint16, not "
+     "float64"),
+    (lambda m: m["dtypes"].update({"params/layers.2.attn.indexer.wk.weight": "uint16"}),      # the same bits
+     "params/layers.2.attn.indexer.wk.weight is torch.uint16 [32, 64]; this run's model has torch.bfloat16 [32, 64]"),
+    (lambda m: m["dtypes"].update({"params/layers.1.engram.embed.weight": "float8_e5m2"}),
+     "params/layers.1.engram.embed.weight is torch.float8_e5m2 [2514, 32]; this run's model has torch.float8_e4m3fn"),
+])
+def test_resume_refuses_a_hand_edited_meta_in_one_line(tmp_path, edit, says):
+    """A checkpoint whose meta was edited by hand: "opt_count": "x" failed with the optimizer's TypeError after
+    resumes.jsonl had been appended; an offset past the corpus gave a traceback; a dtype float64 recorded for a bf16
+    param read its bits as other values. Now the damaged-checkpoint refusal, and nothing of OUT written."""
+    out = tmp_path / "o"
+    assert run.train(_rc(out, steps=4, ckpt_every=2))["status"] == "ok"
+    path = out / "ckpt" / "4" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    assert meta["dtypes"]["params/layers.2.attn.indexer.wk.weight"] == "bfloat16"
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    before = _records(out)
+    with pytest.raises(SystemExit) as e:
+        run.train(_rc(out, steps=6, ckpt_every=2, resume=True))
+    msg = str(e.value)
+    assert msg.startswith(f"--resume: the newest checkpoint {out / 'ckpt' / '4'} cannot be read (ValueError: ") and \
+        msg.endswith(f"it is damaged. Move it out of {out / 'ckpt'} to resume from the one before it (step 2)"), msg
+    assert says in msg and "\n" not in msg, msg
+    assert _records(out) == before and not (out / "resumes.jsonl").exists()
