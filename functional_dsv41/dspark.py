@@ -40,7 +40,8 @@ from .attention import fp8_qdq, output_projection
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
 from .linear import linear, qat_format
-from .model import _check_ids, _check_inputs, _not_int_tensor, make_chunk
+from .model import make_chunk
+from .validate import _check_ids, _check_inputs, _not_int_tensor
 from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles

@@ -306,7 +306,7 @@ _NEGATIVE = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 2)
 ], ids=["id-600", "id-negative", "float-ids", "float-anchors", "positions-not-counting", "positions-negative",
         "float-positions", "positions-shape", "no-mtp"])
 def test_dspark_forward_refuses_bad_input(tiny_inputs, make, err, match):
-    """forward's own input checks (model.py: _check_ids, _check_inputs' vocabulary range, make_chunk's
+    """forward's own input checks (validate.py: _check_ids, _check_inputs' vocabulary range; model.py: make_chunk's
     positions), named after dspark_forward: a bare IndexError from the embedding / KeyError 'mtp' before, and float
     ids, float anchors and bad packed positions ran silently."""
     cfg, params, ids, mh, _, _ = tiny_inputs
