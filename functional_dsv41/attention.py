@@ -41,6 +41,20 @@ def fp8_qdq(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     return ste(x, y)
 
 
+def project_qkv(p: dict, x: torch.Tensor, rot: torch.Tensor, *, cfg: Config, mode: str = "reference",
+                impl: str | None = None, qdq: bool = True):
+    """The single-latent projections (SPEC §3), x [b, s, dim] bf16, rot [b, s, rd/2] -> (qr [b, s, q_lora_rank]
+    (normed; the indexer reads it too), q [b, s, H, D] (RoPE'd), kv [b, s, D] (normed, RoPE'd, fp8 QDQ unless
+    ``qdq=False``)). Shared with the DSpark stages' attention (dspark.py)."""
+    b, s, _ = x.shape
+    eps, fq = cfg.norm_eps, qat_format(cfg)
+    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq, impl=impl), p["q_norm"]["weight"], eps)
+    q = linear(qr, p["wq_b"], mode=mode, fake=fq, impl=impl).view(b, s, cfg.n_heads, cfg.head_dim)
+    q = apply_rope(q, rot[:, :, None, :])
+    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq, impl=impl), p["kv_norm"]["weight"], eps)
+    return qr, q, fp8_qdq(apply_rope(kv, rot), qdq)
+
+
 def window_index(chunk: Chunk, W: int, has_past: bool) -> torch.Tensor:
     """[b, s, W] rows of the window block that each query reads (-1 = none), valid slots first."""
     dev = chunk.pos_abs.device
@@ -83,17 +97,9 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
     for an index-source layer, what the indexer KL loss needs (``indexer_kl_terms``).
     """
     L = layer_id
-    b, s, _ = x.shape
-    H, D, W = cfg.n_heads, cfg.head_dim, cfg.window_size
-    eps = cfg.norm_eps
+    D, W = cfg.head_dim, cfg.window_size
     rot = rope_angles(cfg, L, chunk.pos)                                    # [b, s, rd/2]
-
-    fq = qat_format(cfg)
-    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq, impl=impl), p["q_norm"]["weight"], eps)
-    q = linear(qr, p["wq_b"], mode=mode, fake=fq, impl=impl).view(b, s, H, D)
-    q = apply_rope(q, rot[:, :, None, :])
-    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq, impl=impl), p["kv_norm"]["weight"], eps)
-    kv = fp8_qdq(apply_rope(kv, rot), qdq)
+    qr, q, kv = project_qkv(p, x, rot, cfg=cfg, mode=mode, impl=impl, qdq=qdq)
 
     has_past = cache is not None and chunk.start > 0
     if has_past:

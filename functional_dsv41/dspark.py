@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels, sharding, transforms
-from .attention import fp8_qdq, output_projection
+from .attention import fp8_qdq, output_projection, project_qkv
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
 from .linear import linear, qat_format
@@ -178,16 +178,9 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
     """Draft attention (SPEC §7): x [b, M, dim] normed draft inputs; kv_all [b, N, D] the stage's main-KV
     rows, to which the M draft rows' own kv (fp8 QDQ) are appended; idx [b, M, T] indexes
     [main rows ; draft rows] (-1 = none); rot [b, M, rd/2] the queries' rotations -> [b, M, dim]."""
-    b, M, _ = x.shape
-    H, D = cfg.n_heads, cfg.head_dim
-    eps = cfg.norm_eps
-    fq = qat_format(cfg)
-    qr = rms_norm(linear(x, p["wq_a"], mode=mode, fake=fq, impl=impl), p["q_norm"]["weight"], eps)
-    q = apply_rope(linear(qr, p["wq_b"], mode=mode, fake=fq, impl=impl).view(b, M, H, D), rot[:, :, None, :])
-    kv = rms_norm(linear(x, p["wkv"], mode=mode, fake=fq, impl=impl), p["kv_norm"]["weight"], eps)
-    kv = fp8_qdq(apply_rope(kv, rot), qdq)
+    _, q, kv = project_qkv(p, x, rot, cfg=cfg, mode=mode, impl=impl, qdq=qdq)
     kv_all = torch.cat([kv_all, kv], 1)
-    o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), D ** -0.5, impl=impl)
+    o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx.to(torch.int32), cfg.head_dim ** -0.5, impl=impl)
     if debug is not None:
         debug.update(sparse_idx=idx, sparse_kv=kv_all, sparse_out=o)
     return output_projection(p, o, rot, cfg=cfg, mode=mode, impl=impl)
