@@ -23,22 +23,13 @@ from __future__ import annotations
 import torch
 
 from . import kernels, quant
-from .compressor import BIG, Chunk, compress
+from .compressor import compress
 from .config import Config
-from .indexer import candidate_mask, entry_blocks, fp4_qdq, index_keys, index_scores, select_topk, visible_range
-from .linear import dequantize, linear, qat_format, ste
+from .indexer import candidate_mask, entry_blocks, index_keys, index_scores, select_topk, visible_range
+from .linear import dequantize, fp4_qdq, fp8_qdq, linear, qat_format
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
-from .state import AttnCache, SharedAttention
-
-
-def fp8_qdq(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
-    """1x32 fp8 QDQ with ue8m0 scales (``act_quant(..., inplace=True)``), straight-through gradient."""
-    if not enabled:
-        return x
-    with torch.no_grad():
-        y = quant.act_quant_dequant(x.detach())
-    return ste(x, y)
+from .state import BIG, AttnCache, Chunk, SharedAttention
 
 
 def project_qkv(p: dict, x: torch.Tensor, rot: torch.Tensor, *, cfg: Config, mode: str = "reference",
@@ -216,7 +207,7 @@ def _compress_and_publish(p, x, *, cfg, layer_id, chunk, cache, new_cache, share
     ent, (part_kv, part_s) = compress(p["compressor"], x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache, mode=mode)
     keys_new = index_keys(p["indexer"], ent.latent.detach(), ent.rope_pos, cfg=cfg, layer_id=L, qdq=qdq)  # before RoPE
     kv_new = apply_rope(ent.latent, rope_angles(cfg, L, ent.rope_pos))
-    kv_new = fp4_qdq(kv_new, 16, quant.FP8, qdq)
+    kv_new = fp4_qdq(kv_new, 16, quant.FP8, qdq)                               # E4M3 scales, SPEC §3
     end, seg, group = ent.end, ent.seg, ent.rope_pos // r
     if cache is not None:
         n_prev = chunk.start // r

@@ -21,30 +21,7 @@ import torch
 from .config import Config
 from .linear import linear
 from .norm import rms_norm
-
-BIG = 1 << 40  # "never": end position of padding entries
-
-
-@dataclass
-class Chunk:
-    """Positions of the tokens of one forward call.
-
-    start      absolute position of the chunk's first token (the state's position; 0 without state)
-    pos_abs    [s] int64 absolute positions (index into the row)
-    pos        [b, s] int64 positions inside each token's own sample (RoPE, grouping); = pos_abs
-               unless the batch is packed
-    seg_start  [b, s] int64 absolute position where each token's sample starts (0 unless packed)
-    """
-    start: int
-    pos_abs: torch.Tensor
-    pos: torch.Tensor
-    seg_start: torch.Tensor
-    packed: bool = False
-
-    @property
-    def s(self) -> int:
-        return self.pos_abs.shape[0]
-
+from .state import BIG, Chunk
 
 @dataclass
 class NewEntries:

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels, sharding, transforms
-from .attention import fp8_qdq, output_projection, project_qkv
+from .attention import output_projection, project_qkv
 from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
-from .linear import linear, qat_format
+from .linear import fp8_qdq, linear, qat_format
 from .model import make_chunk
 from .validate import _check_ids, _check_inputs, _not_int_tensor
 from .moe import moe

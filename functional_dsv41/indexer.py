@@ -21,18 +21,9 @@ import torch
 
 from . import kernels, quant
 from .config import Config
-from .linear import linear, qat_format, ste
+from .linear import fp4_qdq, linear, qat_format
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
-
-
-def fp4_qdq(x: torch.Tensor, block: int, scale_dtype, enabled: bool = True) -> torch.Tensor:
-    """E2M1 QDQ with a straight-through gradient (the release quantises these in place)."""
-    if not enabled:
-        return x
-    with torch.no_grad():
-        y = quant.fp4_act_quant_dequant(x.detach(), block, scale_dtype)
-    return ste(x, y)
 
 
 def index_keys(p: dict, latent: torch.Tensor, rope_pos: torch.Tensor, *, cfg: Config, layer_id: int,

@@ -72,6 +72,26 @@ def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
     return ste(x, q)
 
 
+def fp8_qdq(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
+    """1x32 fp8 QDQ with ue8m0 scales (``act_quant(..., inplace=True)``; SPEC §3: the KV), straight-through
+    gradient."""
+    if not enabled:
+        return x
+    with torch.no_grad():
+        y = quant.act_quant_dequant(x.detach())
+    return ste(x, y)
+
+
+def fp4_qdq(x: torch.Tensor, block: int, scale_dtype, enabled: bool = True) -> torch.Tensor:
+    """E2M1 QDQ with ``block``-element groups and ``scale_dtype`` scales (SPEC §3, §5: the compressed KV, the
+    indexer q / k), straight-through gradient (the release quantises these in place)."""
+    if not enabled:
+        return x
+    with torch.no_grad():
+        y = quant.fp4_act_quant_dequant(x.detach(), block, scale_dtype)
+    return ste(x, y)
+
+
 def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | None = None,
            impl: str | None = None) -> torch.Tensor:
     """y = x W^T (+ b). x [..., K] -> [..., N]. See the module docstring for the modes."""

@@ -24,14 +24,13 @@ import torch
 from . import engram as engram_mod
 from . import sharding, transforms, vision
 from .attention import attention
-from .compressor import Chunk
 from .config import Config, require_config
 from .hyper import hc_mixes, hc_post, hc_pre
 from .invariant import linear_rows
 from .moe import moe
 from .norm import rms_norm
 from .pytree import register_carrier
-from .state import DecodeState, SharedAttention, begin_append, finish_append
+from .state import Chunk, DecodeState, SharedAttention, begin_append, finish_append
 from .validate import (_check_batch, _check_ids, _check_inputs, _check_state, _check_state_fits, _check_token_types,
                        _not_int_tensor)
 
@@ -91,7 +90,7 @@ def _block_aux(p: dict, h: torch.Tensor, pre_in: torch.Tensor, **kw):
 
 
 def make_chunk(batch: dict, start: int, device) -> Chunk:
-    """The positions of this call's tokens (``compressor.Chunk``): batch["input_ids"] [b, s] starting at absolute
+    """The positions of this call's tokens (``state.Chunk``): batch["input_ids"] [b, s] starting at absolute
     position ``start``; without batch["positions"] every row is one sample (pos = pos_abs, seg_start 0); with
     positions [b, s] (packed samples restart at 0) each token's sample start follows from them (checked)."""
     ids = batch["input_ids"]

@@ -1,4 +1,5 @@
-"""State carriers (DESIGN convention 4): frozen dataclasses registered as pytree nodes.
+"""State carriers (DESIGN convention 4): frozen dataclasses registered as pytree nodes; and ``Chunk``, the
+positions of one forward call's tokens, which every layer reads.
 
 - ``AttnCache`` (one per layer that attends): the sliding-window ring, and for kv-source layers the
   append-only compressed history, its index keys and the partial compression group still filling.
@@ -36,6 +37,29 @@ import torch
 
 from .config import Config, require_config, short_repr
 from .pytree import register_carrier, tree_nbytes
+
+BIG = 1 << 40  # "never": end position of padding entries
+
+
+@dataclass
+class Chunk:
+    """Positions of the tokens of one forward call (``model.make_chunk``), read by every layer.
+
+    start      absolute position of the chunk's first token (the state's position; 0 without state)
+    pos_abs    [s] int64 absolute positions (index into the row)
+    pos        [b, s] int64 positions inside each token's own sample (RoPE, grouping); = pos_abs
+               unless the batch is packed
+    seg_start  [b, s] int64 absolute position where each token's sample starts (0 unless packed)
+    """
+    start: int
+    pos_abs: torch.Tensor
+    pos: torch.Tensor
+    seg_start: torch.Tensor
+    packed: bool = False
+
+    @property
+    def s(self) -> int:
+        return self.pos_abs.shape[0]
 
 
 @register_carrier

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from functional_dsv41 import kernels as K
-from functional_dsv41.compressor import BIG
+from functional_dsv41.state import BIG
 from functional_dsv41.config import Config
 from functional_dsv41.indexer import entry_blocks, visible_range
 from functional_dsv41.kernels import reference_indexer as R
