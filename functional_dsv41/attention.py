@@ -106,13 +106,14 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
 
     kv_all, idx = win_rows, widx
     topk = None
-    src = cfg.kv_source(L)
-    if src is not None:
-        if L == src:
+    role = cfg.attn_mode(L)         # SPEC §0.1: "window" | "full" (own compressor and indexer) | "reindex" (own
+    src = cfg.kv_source(L)          # indexer over layer src's keys) | "reuse" (src's KV, index_source(L)'s top-k)
+    if role != "window":
+        if role == "full":
             shared, new_cache = _compress_and_publish(p, x, cfg=cfg, layer_id=L, chunk=chunk, cache=cache,
                                                       new_cache=new_cache, shared=shared, mode=mode, qdq=qdq)
         comp_kv, keys, visible = shared.kv[src], shared.index_k[src], shared.visible[src]
-        if L in cfg.index_source_layers:
+        if role in ("full", "reindex"):
             # level 2 (reindex layers after the candidate source): non-candidates are -inf inside the
             # scoring op. The KL student reads these scores at the selected slots only, which are all
             # candidates, so masking first changes neither its values there nor its gradient.
@@ -134,11 +135,11 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
             shared = shared.replace(topk={**shared.topk, L: topk})
             if debug is not None:
                 debug["index_score"] = score
-        else:
+        else:                                                               # reuse
             topk = shared.topk[cfg.index_source(L)]
         kv_all = torch.cat([win_rows, comp_kv], 1)
         idx = torch.cat([widx, torch.where(topk >= 0, topk + n_win, -1)], -1)
-        if debug is not None and L in cfg.index_source_layers:
+        if debug is not None and role != "reuse":
             # in this call's index space: compressed slots start after the window block's n_win rows. In a
             # prefill that is the release's offset (W); in decode n_win = W + s (the ring, then the new rows),
             # where the release writes the new row into its ring first and offsets by W
@@ -146,7 +147,7 @@ def attention(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Ch
 
     # the kernel sees a fixed width, window + index_topk (holes past the entries seen so far): its CPU row sums
     # round differently for another width, and a one-shot prefill sees more entries than a chunked one
-    pad = W + cfg.index_topk - idx.shape[-1] if src is not None else 0
+    pad = W + cfg.index_topk - idx.shape[-1] if role != "window" else 0
     idx_k = torch.cat([idx, idx.new_full((*idx.shape[:-1], pad), -1)], -1) if pad > 0 else idx
     o = kernels.sparse_attn(q, kv_all, p["attn_sink"], idx_k.to(torch.int32), D ** -0.5, impl=impl)
     if aux is not None and topk is not None and L in cfg.index_source_layers:
