@@ -525,6 +525,8 @@ def test_a_runtime_error_that_is_not_out_of_memory_propagates(tmp_path, monkeypa
      "params/layers.2.attn.indexer.wk.weight is torch.uint16 [32, 64]; this run's model has torch.bfloat16 [32, 64]"),
     (lambda m: m["dtypes"].update({"params/layers.1.engram.embed.weight": "float8_e5m2"}),
      "params/layers.1.engram.embed.weight is torch.float8_e5m2 [2514, 32]; this run's model has torch.float8_e4m3fn"),
+    (lambda m: m["extra"]["run"].pop("schedule_steps"), "extra['run']['schedule_steps'] is not a step count (KeyError"),
+    (lambda m: m["extra"]["run"].update(schedule_steps="x"), "extra['run']['schedule_steps'] is not a step count"),
 ])
 def test_resume_refuses_a_hand_edited_meta_in_one_line(tmp_path, edit, says):
     """A checkpoint whose meta was edited by hand: "opt_count": "x" failed with the optimizer's TypeError after

@@ -70,13 +70,20 @@ def record_diff(saved: dict, now: dict) -> list[str]:
 
 def check_resume(rc: RunConfig, cfg: fd.Config, restored: dict) -> int:
     """Refuse a resume whose settings differ from those the checkpoint records (train/run.py's docstring); returns
-    the lr schedule length to continue with (the one the run first started with)."""
+    the lr schedule length to continue with (the one the run first started with). ValueError for recorded settings
+    that are not what run.py writes (a hand-edited meta)."""
     where = os.path.join(os.path.abspath(rc.out), "ckpt", str(restored["step"]))
     saved = restored["extra"]
     if "run" not in saved or "model" not in saved:
         raise SystemExit(f"--resume: {where} records no run settings (saved by an older run.py), so it cannot be "
                          f"checked against this run; start afresh with --overwrite or another --out")
-    schedule_steps = int(saved["run"]["schedule_steps"])
+    try:
+        schedule_steps = int(saved["run"]["schedule_steps"])
+        if isinstance(saved["run"]["schedule_steps"], bool) or schedule_steps < 1:
+            raise ValueError(schedule_steps)
+    except (KeyError, TypeError, ValueError) as e:      # train/run.py turns it into the damaged-checkpoint refusal
+        raise ValueError(f"{where}/meta: extra['run']['schedule_steps'] is not a step count "
+                         f"({type(e).__name__}: {e})") from None
     if "corpus_encoding" not in saved["run"] and not _quotes_special_tokens(rc.corpus, rc.tokenizer):
         saved = {**saved, "run": {**saved["run"], "corpus_encoding": CORPUS_ENCODING}}   # the same ids either way
     diff = record_diff(saved, run_record(rc, cfg, schedule_steps))

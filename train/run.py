@@ -356,7 +356,10 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         # its metrics at once and replace the export at its end (or leave it beside the new run's records)
         raise SystemExit(f"{os.path.abspath(exp_dir)} holds the export of an earlier run and {os.path.abspath(ckpt_dir)} "
                          f"no checkpoint to resume from: pass --overwrite to start afresh, or another --out")
-    schedule_steps = rc.steps if restored is None else resume.check_resume(rc, cfg, restored)
+    try:
+        schedule_steps = rc.steps if restored is None else resume.check_resume(rc, cfg, restored)
+    except ValueError as e:                     # its recorded run settings damaged (a hand-edited extra)
+        raise _damaged(ckpt_dir, restored["step"], e) from None
     record = resume.run_record(rc, cfg, schedule_steps)
     if restored is not None:
         metrics_kept = resume.trim_metrics(metrics_path, restored["step"])
