@@ -8,6 +8,9 @@
         h, pre = block(h, pre)                                                       (§2: mHC + attention + MoE)
     logits = head_fp32(RMSNorm(sum_k pre_k h_k))                                     [b, s, vocab] fp32
 
+The logits cover every position (training needs them; DESIGN "Public API"); the release's forward keeps the last
+one only (SPEC §1: ``[:, -1]``), which is ``logits[:, -1]`` here, the same values.
+
 Prefill and decode are one function: the chunk ``[b, s]`` starts at ``state.pos`` (0 without a
 state); decode is ``s == 1``. Packed training rows pass ``batch["positions"]`` (positions restarting
 at 0 at every sample) and no state: every sample is then isolated (window, compression groups,
