@@ -21,8 +21,9 @@ import torch
 from functional_dsv41.config import write_atomic
 
 from ._bench_common import bench, positive_int, row
-from .bench_attn import (attention_bound, attention_bwd, attention_cl, attention_diag, attention_fwd,
-                         attention_nreg, attention_pp, attention_tail, attention_trace, attention_trace_boundary)
+from .bench_attn import (ATTN_BWD_SWEEP, ATTN_FWD_SWEEP, attention_bound, attention_bwd, attention_cl,
+                         attention_diag, attention_fwd, attention_nreg, attention_pp, attention_tail, attention_trace,
+                         attention_trace_boundary)
 from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
                          gemm_tail, gemm_wide, gemm_wrapper, gemms)
 
@@ -372,10 +373,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("functional_dsv41.kernels.bench measures the GPU kernels and needs a CUDA device; "
                          "recorded H200 figures are in BENCHMARKS.md, CPU benchmarks in benchmarks/")
-    # run 10: fwd_kernel_ws default (BI=32 pairs, 4 stages, no early QK) 365 TFLOP/s; early QK 299 (kept as
-    # the one sweep row, a regression check of the knob)
-    args.attn_fwd_cfgs = [dict(kernel="ws", BI=32, stages=4, early_qk=True)]
-    args.attn_bwd_cfgs = [dict(BI=64, DS=2)]
+    args.attn_fwd_cfgs = list(ATTN_FWD_SWEEP)
+    args.attn_bwd_cfgs = list(ATTN_BWD_SWEEP)
     # runs 9-10 measured the split knobs (dkv_ws, DC=256, dkv_threads, stages, dkv_BI=128, the window fast
     # path): all slower than the default; it alone is timed (end to end and per kernel)
     args.attn_bwd_split_cfgs = [{}]

@@ -9,6 +9,12 @@ import torch
 from ._bench_common import bench, clock_under_load, interleaved_rounds, row
 
 
+# attnfwd's and attnbwd's configuration sweeps. Run 10: fwd_kernel_ws's default (BI=32 pairs, 4 stages, no early QK)
+# 365 TFLOP/s, early QK 299 (kept as the one sweep row, a regression check of the knob).
+ATTN_FWD_SWEEP = (dict(kernel="ws", BI=32, stages=4, early_qk=True),)
+ATTN_BWD_SWEEP = (dict(BI=64, DS=2),)
+
+
 def _attn_release_inputs(args):
     """Release prefill attention operands: B=1, M queries, 64 heads x 512, 128 window + 512 of 2048
     compressed rows (ratio 2: query i sees (i+1)//2 of them)."""

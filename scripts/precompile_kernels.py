@@ -171,7 +171,8 @@ def train_run():
 
 def gemm():
     """The block-scaled GEMMs of tests/test_gpu_gemm.py (its shape and configuration lists) and of the bench's
-    "gemmwide" / "gemmsmall" sections, through the wrappers (so each wrapper's own kernel choice is compiled)."""
+    "gemmwide" / "gemmsmall" sections, through the wrappers (so each wrapper's own kernel choice is compiled), and
+    the kernels the bench's "gemm", "gemmprobe" and "gemmsmall" sections build directly."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import test_gpu_gemm as t
     from functional_dsv41 import quant as Q
@@ -211,6 +212,13 @@ def gemm():
     for cfg in bg.GEMM_PROBE_CFGS:                      # the bench's gemmprobe rows (kernels launched directly)
         kc = dict(cfg)
         fg.kernel_factory(kc.pop("kernel"))(5120, 5120, **kc)
+    for N, K in [(5120, 5120), (2304, 5120), (5120, 2304)]:   # the bench's "gemm" sweep, built as it builds them
+        for cfg in [fg.default_config(4096, N, K), *bg.GEMM_CFGS, *bg.FP8_WS_CFGS]:   # (run 162 compiled 20 there)
+            kc = dict(cfg)
+            try:
+                fg.kernel_factory(kc.pop("kernel", "pingpong"))(N, K, **kc)
+            except ValueError as e:                     # a configuration the bench prints as FAILED too
+                print(f"  refused gemm sweep {N}x{K} {cfg}: {e}")
     fp8(6, 256, 512)
     for shape in t.FP4_GEMM_SHAPES:
         for cfg in [{}, dict(kernel="loop"), dict(kernel="bf16")] + t.FP4_CFGS:
@@ -295,7 +303,7 @@ def gpu_tests(pytest_args):
 
 def attn_bench():
     """The forward kernels of the bench's "attndiag", "attntrace" and "attncl" sections at the release shape (T = 640
-    and the random-slot rows), and the default forward of "attnfwd"."""
+    and the random-slot rows), the default forward of "attnfwd", and attnfwd's and attnbwd's configuration sweeps."""
     from functional_dsv41.kernels import bench_attn as ba
     from functional_dsv41.kernels.tilelang import sparse_attn_tl as sa
     from functional_dsv41.kernels.tilelang import sparse_attn_sp_tl as sp
@@ -327,6 +335,12 @@ def attn_bench():
         cl.fwd_kernel_cl(H, D, 640, scale, sms, diag=diag)
     cl.fwd_kernel_cl(H, D, 2560, scale, sms)
     sa.fwd_kernel(H, D, 640, scale, BI=64, stages=2)  # the lock-step kernel attnfwd compares with
+    for cfg in ba.ATTN_FWD_SWEEP:                   # attnfwd's sweep (T = 640 is a multiple of every BI pair)
+        kc = dict(cfg)
+        (sa.fwd_kernel_ws if kc.pop("kernel", "lockstep") == "ws" else sa.fwd_kernel)(H, D, 640, scale, **kc)
+    from functional_dsv41.kernels.tilelang import sparse_attn_bwd_tl as sb
+    for cfg in ba.ATTN_BWD_SWEEP:                   # attnbwd's sweep of the atomic backward kernel
+        sb.bwd_kernel(H, D, 640, scale, **cfg)
 
 
 def attn_pp():
