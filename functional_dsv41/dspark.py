@@ -41,7 +41,7 @@ from .config import Config
 from .hyper import hc_mixes, hc_post, hc_pre
 from .linear import fp8_qdq, linear, qat_format
 from .model import make_chunk
-from .validate import _check_ids, _check_inputs, _not_int_tensor
+from .validate import _check_ids, _check_inputs, _not_int_tensor, _outside_vocab
 from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
@@ -97,23 +97,11 @@ def _check_stages(params: dict, cfg: Config, where: str) -> None:
                          f"the config {cfg.n_mtp_layers}")
 
 
-def _as(where: str, check, *args):
-    """Run one of model.py's input checks (``forward``'s, messages "forward: ...") for ``where``: the same
-    check and message, named after the function the user called."""
-    try:
-        return check(*args)
-    except (TypeError, ValueError) as e:
-        msg = str(e)
-        if type(e) not in (TypeError, ValueError) or not msg.startswith("forward: "):
-            raise
-        raise type(e)(f"{where}: {msg[len('forward: '):]}") from None
-
-
 def _check_sampling(temperature, top_p, where: str) -> None:
     """generate's rule for temperature / top_p (host-only): a negative temperature ran greedy silently, a NaN one
     or top_p <= 0 failed inside torch.multinomial, top_p > 1 was taken."""
-    from .generate import _real                         # (generate imports this module)
-    if not _real(temperature) or not _real(top_p) or temperature < 0 or not 0 < top_p <= 1:
+    from .generate import sampling_ok                   # (generate imports this module)
+    if not sampling_ok(temperature, top_p):
         raise ValueError(f"{where}: need temperature >= 0 (0 = greedy) and 0 < top_p <= 1, got "
                          f"temperature={temperature!r}, top_p={top_p!r}")
 
@@ -302,8 +290,7 @@ def dspark_draft(params: dict, last_token: torch.Tensor, main_hidden_p: torch.Te
     last = last_token.reshape(-1).long()
     b = last.shape[0]
     _check_state(params, state, cfg, b, "dspark_draft")
-    if validate and b > 0 and bool(((last < 0) | (last >= cfg.vocab_size)).any()):   # one sync
-        bad = int(last[(last < 0) | (last >= cfg.vocab_size)][0])
+    if validate and (bad := _outside_vocab(last, cfg)) is not None:
         raise ValueError(f"dspark_draft: last_token holds token id {bad}, outside the vocabulary "
                          f"[0, {cfg.vocab_size})")
     if main_hidden_p.shape[:2] != (b, 1):
@@ -379,12 +366,12 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     transforms.check_unsharded(params)
     _check_hidden(main_hidden, cfg, where)
     batch = {"input_ids": input_ids}
-    _as(where, _check_ids, batch)
+    _check_ids(batch, where)
     if input_ids.shape != main_hidden.shape[:2]:
         raise ValueError(f"dspark_forward: input_ids {tuple(input_ids.shape)} must be [b, S] matching "
                          f"main_hidden {tuple(main_hidden.shape[:2])}")
     if validate:
-        _as(where, _check_inputs, params, batch, cfg, None)
+        _check_inputs(params, batch, cfg, None, where)
     _check_stages(params, cfg, where)
     got = None if anchors is None else _not_int_tensor(anchors)
     if got:
@@ -394,7 +381,7 @@ def dspark_forward(params: dict, main_hidden: torch.Tensor, input_ids: torch.Ten
     ids = input_ids.long()
     if positions is not None:
         batch["positions"] = positions
-    pos = _as(where, make_chunk, batch, 0, dev).pos      # [b, S]; packed positions checked as forward does
+    pos = make_chunk(batch, 0, dev, where).pos           # [b, S]; packed positions checked as forward does
     if anchors is None:
         anchors = torch.arange(max(S - 1, 0), device=dev)
     anchors = anchors.to(dev, torch.long).reshape(-1)

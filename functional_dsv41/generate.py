@@ -130,7 +130,7 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     if stream is not None and not callable(stream):
         raise TypeError(f"generate: stream must be a callable (called with each step's tokens), got "
                         f"{type(stream).__name__}")
-    if not _real(temperature) or not _real(top_p) or temperature < 0 or not 0 < top_p <= 1:
+    if not sampling_ok(temperature, top_p):
         raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
     if cfg.engram_layer_ids and "engram_token_map" not in params:
         raise ValueError("generate: the config has Engram layers but params lack 'engram_token_map' "
@@ -182,6 +182,12 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
 def _real(x) -> bool:
     """A finite real number (not a bool, NaN or inf): a NaN temperature would sample garbage silently."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sampling_ok(temperature, top_p) -> bool:
+    """The sampling settings generate and dspark_draft accept: temperature >= 0 (0 = greedy), 0 < top_p <= 1,
+    both finite reals."""
+    return _real(temperature) and _real(top_p) and temperature >= 0 and 0 < top_p <= 1
 
 
 def _image_batch(prompts, images, token_types, n0, cfg, dev) -> dict:

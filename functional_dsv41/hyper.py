@@ -44,8 +44,9 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 
 def hc_pre(h: torch.Tensor, pre: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
-    """h [b, s, hc, dim], pre [b, s, hc] fp32. Collapse the streams: sum_j pre_j * h_j in fp32 (products rounded, summed in index order) -> [b, s, dim] in
-    h's dtype (``kernels.hc_pre``: on the GPU one fused kernel with the same bits)."""
+    """h [b, s, hc, dim], pre [b, s, hc] fp32. Collapse the streams: sum_j pre_j * h_j in fp32 (products rounded,
+    summed in index order) -> [b, s, dim] in h's dtype (``kernels.hc_pre``: on the GPU one fused kernel with the
+    same bits)."""
     return kernels.hc_pre(h, pre, impl=impl)
 
 

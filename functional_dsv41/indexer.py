@@ -72,7 +72,6 @@ def index_scores(p: dict, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor,
     return kernels.index_scores(q, keys, w, lo, hi, cand, impl=impl)
 
 
-
 def select_topk(score: torch.Tensor, k: int, impl: str | None = None) -> torch.Tensor:
     """[b, s, n] -> [b, s, min(k, n)] int64 entry indices ascending, -1 where the score is -inf
     (``kernels.index_topk``: exact ties to the lower index)."""

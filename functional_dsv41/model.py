@@ -92,7 +92,7 @@ def _block_aux(p: dict, h: torch.Tensor, pre_in: torch.Tensor, **kw):
     return (*block(p, h, pre_in, aux=layer_aux, **kw), layer_aux)
 
 
-def make_chunk(batch: dict, start: int, device) -> Chunk:
+def make_chunk(batch: dict, start: int, device, where: str = "forward") -> Chunk:
     """The positions of this call's tokens (``state.Chunk``): batch["input_ids"] [b, s] starting at absolute
     position ``start``; without batch["positions"] every row is one sample (pos = pos_abs, seg_start 0); with
     positions [b, s] (packed samples restart at 0) each token's sample start follows from them (checked)."""
@@ -104,13 +104,13 @@ def make_chunk(batch: dict, start: int, device) -> Chunk:
         return Chunk(start, pos_abs, pos_abs.expand(b, s), torch.zeros(b, s, dtype=torch.long, device=device))
     got = _not_int_tensor(pos)
     if got:
-        raise TypeError(f"forward: positions must be an integer tensor [b, s], got {got}")
+        raise TypeError(f"{where}: positions must be an integer tensor [b, s], got {got}")
     pos = pos.to(device=device, dtype=torch.long)
     if pos.shape != ids.shape:
-        raise ValueError(f"forward: positions {tuple(pos.shape)} must match input_ids {tuple(ids.shape)}")
+        raise ValueError(f"{where}: positions {tuple(pos.shape)} must match input_ids {tuple(ids.shape)}")
     seg_start = pos_abs - pos
     if bool((pos < 0).any() | (seg_start < 0).any() | (pos[:, 1:] != pos[:, :-1] + 1)[pos[:, 1:] != 0].any()):
-        raise ValueError("forward: positions must count 0, 1, 2, ... within each packed sample (none negative)")
+        raise ValueError(f"{where}: positions must count 0, 1, 2, ... within each packed sample (none negative)")
     return Chunk(start, pos_abs, pos, seg_start, packed=True)
 
 

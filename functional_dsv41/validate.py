@@ -88,32 +88,40 @@ def _check_batch(batch) -> None:
                          f"and {list(LOSS_KEYS)}, which the training loss reads)")
 
 
-def _check_ids(batch: dict) -> None:
+def _check_ids(batch: dict, where: str = "forward") -> None:
     """input_ids' type, dtype and rank: host-only, so run even with ``validate=False`` (a float id was
     truncated to an integer silently there, 1-D ids failed with "not enough values to unpack")."""
     ids = batch["input_ids"]
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"forward: input_ids must be a tensor, got {type(ids).__name__}")
+        raise TypeError(f"{where}: input_ids must be a tensor, got {type(ids).__name__}")
     if _not_int_tensor(ids):
-        raise TypeError(f"forward: input_ids must be an integer tensor, got {ids.dtype}")
+        raise TypeError(f"{where}: input_ids must be an integer tensor, got {ids.dtype}")
     if ids.dim() != 2:
         hint = (" (under torch.func.vmap an example's ids are [seq]: pass x[None])"
                 if ids.dim() == 1 and transforms.vmapped(ids) else "")
-        raise ValueError(f"forward: input_ids must be [batch, seq], got shape {tuple(ids.shape)}{hint}")
+        raise ValueError(f"{where}: input_ids must be [batch, seq], got shape {tuple(ids.shape)}{hint}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise ValueError(f"forward: empty input_ids of shape {tuple(ids.shape)}")
+        raise ValueError(f"{where}: empty input_ids of shape {tuple(ids.shape)}")
 
 
-def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState]):
+def _outside_vocab(ids: torch.Tensor, cfg: Config) -> Optional[int]:
+    """A token id of ``ids`` outside [0, vocab_size) (the lowest if one is negative, else the highest), or None
+    (empty ids included). Reads the ids back: a device sync."""
+    if ids.numel() == 0:
+        return None
+    lo, hi = int(ids.min()), int(ids.max())
+    return lo if lo < 0 else hi if hi >= cfg.vocab_size else None
+
+
+def _check_inputs(params: dict, batch: dict, cfg: Config, state: Optional[DecodeState], where: str = "forward"):
     ids = batch["input_ids"]
     b, s = ids.shape
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= cfg.vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"forward: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+    bad = _outside_vocab(ids, cfg)
+    if bad is not None:
+        raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
     if state is None and s > cfg.max_seq_len:
-        raise ValueError(f"forward: chunk of {s} tokens at position 0 runs past max_seq_len {cfg.max_seq_len}")
-    _check_params(params, cfg)
+        raise ValueError(f"{where}: chunk of {s} tokens at position 0 runs past max_seq_len {cfg.max_seq_len}")
+    _check_params(params, cfg, where)
 
 
 # the stages and the vision tower are read only by dspark_forward / with images: absent is fine for forward
@@ -143,18 +151,18 @@ def _spec_name(path: str, entries: dict) -> str | None:
     return None
 
 
-def _check_params(params, cfg: Config) -> None:
+def _check_params(params, cfg: Config, where: str = "forward") -> None:
     """The params against the config (host-only): every weight's shape (``param_spec``'s logical shapes, fp4
     unpacked) and dtype (a quantized weight in its storage dtype with its ``scale``, or a float master weight;
     every other tensor a float), and no leaf the config does not have. Without it a config changed in a notebook
     without new params failed deep inside torch ("shape '[1, 6, 8, 64]' is invalid"), with a KeyError, or ran on
     the params' own sizes; an integer weight was cast and run; a misspelt override was ignored."""
     if not isinstance(params, dict):
-        raise TypeError(f"forward: params must be the parameter tree (a dict, fd.init_params / fd.load_params), "
+        raise TypeError(f"{where}: params must be the parameter tree (a dict, fd.init_params / fd.load_params), "
                         f"got {type(params).__name__}")
     n = len(params.get("layers", ()))
     if n != cfg.n_layers:
-        raise ValueError(f"forward: params have {n} layers, config has {cfg.n_layers}")
+        raise ValueError(f"{where}: params have {n} layers, config has {cfg.n_layers}")
     flat = flatten_with_paths(params)
     entries = _param_entries(cfg)
     problems = []
@@ -191,7 +199,7 @@ def _check_params(params, cfg: Config) -> None:
     problems += [f"{p} is not a parameter of this config" for p in extra]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ValueError(f"forward: params do not match the config ({len(problems)} problem(s)): "
+        raise ValueError(f"{where}: params do not match the config ({len(problems)} problem(s)): "
                          + "; ".join(problems[:3]) + more + " - params built for another config, or edited?")
 
 
