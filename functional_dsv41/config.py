@@ -18,29 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 AttnMode = Literal["window", "full", "reindex", "reuse"]
-
-_FP8_BLOCK = 32  # dense fp8 weights: 32x32 blocks; activations: 1x32 (SPEC §9)
-_FP4_BLOCK = 32  # fp4 experts: 1x32 blocks
-_INT64_MAX = (1 << 63) - 1
-# Config._check_sizes: the largest parameter shapes of params/spec.py by the part that has them ("" always); a factor
-# hc_mult + 2, hc_mult + 1 or engram_max_ngram_size - 1 counts as 3 * hc_mult, 2 * hc_mult or engram_max_ngram_size
-_BIG_SHAPES = {
-    "": "vocab_size*dim 3*hc_mult*hc_mult*hc_mult*dim q_lora_rank*dim n_heads*head_dim*q_lora_rank head_dim*dim "
-        "n_heads*head_dim*o_lora_rank o_groups*o_lora_rank*dim index_n_heads*index_head_dim*q_lora_rank "
-        "index_n_heads*dim index_head_dim*head_dim n_routed_experts*dim moe_inter_dim*dim "
-        "n_shared_experts*moe_inter_dim*dim",
-    "engram": "engram_num_embeddings*engram_head_dim "
-              "2*hc_mult*dim*engram_max_ngram_size*engram_n_heads*engram_head_dim",
-    "dspark": "dspark_target_layer_ids*dim*dim vocab_size*dspark_markov_rank dspark_n_routed_experts*dim",
-    "vision": "3*vision_dim*vision_dim 2*vision_inter_dim*vision_dim 3*vision_patch_size*vision_patch_size*vision_dim "
-              "vision_downsample_ratio*vision_downsample_ratio*vision_dim*dim"}
 
 
 class ConfigError(ValueError):
@@ -194,7 +177,8 @@ class Config:
             v = getattr(self, f.name)
             if isinstance(v, list):  # lists from JSON become tuples so the config stays hashable
                 object.__setattr__(self, f.name, tuple(v))
-        self._validate()
+        from .config_checks import validate     # (it imports this module)
+        validate(self)
 
     @classmethod
     def flash(cls, **overrides) -> "Config":
@@ -305,242 +289,6 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
-
-    # ------------------------------------------------------------------ validation
-    def _validate(self) -> None:
-        def bad(name: str, msg: str):
-            raise ConfigError(f"{name}: {msg}")
-
-        # field types: every JSON value must have the annotated kind
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            t = f.type if isinstance(f.type, str) else str(f.type)
-            if t.startswith("tuple"):
-                if not isinstance(v, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-                    bad(f.name, f"expected a list of integers, got {v!r}")
-            elif t == "int":
-                if not isinstance(v, int) or isinstance(v, bool):
-                    bad(f.name, f"expected an integer, got {v!r}")
-            elif t in ("float", "Optional[float]"):
-                if t == "Optional[float]" and v is None:
-                    continue
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-                try:
-                    ok = ok and math.isfinite(v)
-                except OverflowError:                   # a huge JSON integer: no float holds it
-                    ok = False
-                if not ok:
-                    bad(f.name, f"expected a finite number{' or null' if t != 'float' else ''}, "
-                                f"got {short_repr(v)}")
-            elif t == "bool":
-                if not isinstance(v, bool):
-                    bad(f.name, f"expected true/false, got {v!r}")
-            if t == "int" or t.startswith("tuple"):      # torch takes every size and id as an int64
-                big = [i for i in (v if isinstance(v, tuple) else (v,)) if abs(i) > _INT64_MAX]
-                if big:
-                    bad(f.name, f"{short_repr(big[0])} does not fit in int64 (torch takes sizes and ids as int64)")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
-                     "o_lora_rank", "window_size", "n_routed_experts", "n_activated_experts", "moe_inter_dim",
-                     "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
-                     "candidate_topk_blocks", "candidate_block_size", "max_batch_size", "max_seq_len"):
-            if getattr(self, name) < 1:
-                bad(name, f"must be >= 1, got {getattr(self, name)}")
-        # sizes of optional parts: a 0 there would build empty weights and compute nothing, silently
-        groups = (((bool(self.engram_layer_ids)), ("engram_n_heads", "engram_head_dim", "engram_vocab_size")),
-                  (self.n_mtp_layers > 0, ("dspark_n_routed_experts", "dspark_n_activated_experts",
-                                           "dspark_markov_rank")),
-                  (self.vision_n_layers > 0, ("vision_dim", "vision_n_heads", "vision_inter_dim",
-                                              "vision_patch_size", "vision_downsample_ratio")))
-        for enabled, names in groups:
-            for name in names:
-                if enabled and getattr(self, name) < 1:
-                    bad(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.n_mtp_layers and not self.dspark_target_layer_ids:
-            bad("dspark_target_layer_ids", "is empty, but DSpark stages need main-model hidden states")
-        if any(n < 1 for n in self.engram_num_embeddings):
-            bad("engram_num_embeddings", f"every table needs >= 1 row, got {list(self.engram_num_embeddings)}")
-        for name in ("n_mtp_layers", "n_shared_experts", "vision_n_layers"):
-            if getattr(self, name) < 0:
-                bad(name, f"must be >= 0, got {getattr(self, name)}")
-        if self.dtype not in ("fp8", "bf16", None):
-            bad("dtype", f"must be 'fp8' or 'bf16', got {self.dtype!r}")
-        if self.expert_dtype not in ("fp4", "fp8", "bf16", None):
-            bad("expert_dtype", f"must be 'fp4', 'fp8', 'bf16' or null, got {self.expert_dtype!r}")
-        if self.score_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
-            bad("score_func", f"must be softmax, sigmoid or sqrtsoftplus, got {self.score_func!r}")
-        if self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
-        if self.route_scale < 0:      # (0 is an ablation: the routed experts off; a negative one flips their sign)
-            bad("route_scale", f"must be >= 0 (it multiplies the routing weights), got {self.route_scale}")
-        # numbers the model divides by or takes the log of: outside these ranges forward returns NaN / inf
-        for name in ("rope_theta", "compress_rope_theta", "vision_rope_theta"):
-            if getattr(self, name) <= 1:
-                bad(name, f"must be > 1 (a RoPE base: frequencies base^(-2i/d) fall with i, YaRN divides by "
-                          f"log(base)), got {getattr(self, name)}")
-        for name, why in (("rope_factor", "YaRN divides the low frequencies by it"),
-                          ("beta_fast", "YaRN takes log(original_seq_len / (2 pi beta_fast))"),
-                          ("beta_slow", "YaRN takes log(original_seq_len / (2 pi beta_slow))"),
-                          ("norm_eps", "RMSNorm takes rsqrt(mean(x^2) + norm_eps)"),
-                          ("gate_temp", "the router logits are divided by it")):
-            if getattr(self, name) <= 0:
-                bad(name, f"must be > 0 ({why}), got {getattr(self, name)}")
-        if self.original_seq_len < 1:
-            bad("original_seq_len", f"must be >= 1 (YaRN takes log(original_seq_len / ...)), "
-                                    f"got {self.original_seq_len}")
-        if self.hc_eps < 0:
-            bad("hc_eps", f"must be >= 0 (added to the hyper-connection mixes before they are normalised), "
-                          f"got {self.hc_eps}")
-        if self.vision_max_wh_ratio is not None:     # the release's null; SPEC §12 leaves the stretch branch unused
-            bad("vision_max_wh_ratio", f"must be null (the release's value: images keep their aspect ratio; the "
-                                       f"stretch branch a ratio would select is not implemented), got "
-                                       f"{self.vision_max_wh_ratio}")
-        if self.n_activated_experts > self.n_routed_experts:
-            bad("n_activated_experts", f"{self.n_activated_experts} > n_routed_experts {self.n_routed_experts}")
-        if self.n_mtp_layers and self.dspark_n_activated_experts > self.dspark_n_routed_experts:
-            bad("dspark_n_activated_experts",
-                f"{self.dspark_n_activated_experts} > dspark_n_routed_experts {self.dspark_n_routed_experts}")
-
-        # attention geometry
-        if self.rope_head_dim % 2 or not 0 < self.rope_head_dim <= min(self.head_dim, self.index_head_dim):
-            bad("rope_head_dim", f"must be even and <= head_dim and index_head_dim, got {self.rope_head_dim}")
-        if self.n_heads % self.o_groups:
-            bad("o_groups", f"n_heads {self.n_heads} is not divisible by o_groups {self.o_groups}")
-        if self.head_dim % _FP8_BLOCK:
-            bad("head_dim", f"{self.head_dim} is not a multiple of 32 (the KV latent is fp8-QDQ'd in 1x32 blocks)")
-        if self.index_head_dim % 32:
-            bad("index_head_dim", f"{self.index_head_dim} is not a multiple of 32 (fp4 QDQ blocks of 32)")
-
-        # quantized storage: every fp8 GEMM input dim is split into 32-wide activation blocks
-        if self.dtype == "fp8":
-            for name, v in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank),
-                            ("moe_inter_dim", self.moe_inter_dim),
-                            ("o_lora_rank*o_groups", self.o_lora_rank * self.o_groups),
-                            ("engram_head_dim", self.engram_head_dim)):
-                if v % _FP8_BLOCK:
-                    bad(name.split("*")[0], f"{name} = {v} is not a multiple of the 32-wide fp8 block")
-        if self.expert_dtype in ("fp4", "fp8"):     # fp8 experts of a bf16 model: same 1x32 activation blocks
-            for name, v in (("dim", self.dim), ("moe_inter_dim", self.moe_inter_dim)):
-                if v % _FP4_BLOCK:
-                    bad(name, f"{v} is not a multiple of the 32-wide {self.expert_dtype} expert block")
-
-        # per-layer compression roles (SPEC §0.1)
-        nt = self.n_layers + self.n_mtp_layers
-        if len(self.compress_ratios) != nt:
-            bad("compress_ratios", f"has {len(self.compress_ratios)} entries, expected n_layers + n_mtp_layers = {nt}")
-        if any(r < 0 for r in self.compress_ratios):
-            bad("compress_ratios", f"entries must be >= 0, got {list(self.compress_ratios)}")
-        if any(self.compress_ratios[self.n_layers:]):
-            bad("compress_ratios", "DSpark stages (the last n_mtp_layers entries) are window-only: ratio must be 0")
-        for name in ("kv_source_layers", "index_source_layers"):
-            ls = getattr(self, name)
-            if list(ls) != sorted(set(ls)):
-                bad(name, f"must be strictly increasing, got {list(ls)}")
-            for L in ls:
-                if not 0 <= L < self.n_layers:
-                    bad(name, f"layer {L} is not a backbone layer (0..{self.n_layers - 1})")
-                if self.compress_ratios[L] == 0:
-                    bad(name, f"layer {L} has compress ratio 0, so it has no compressed KV to share")
-        for L in self.kv_source_layers:
-            if L not in self.index_source_layers:
-                bad("kv_source_layers", f"layer {L} owns index keys, so it must also be in index_source_layers")
-        for L in range(self.n_layers):
-            r = self.compress_ratios[L]
-            if r == 0:
-                continue
-            src = self._last_at_or_before(self.kv_source_layers, L)
-            if src is None:
-                bad("kv_source_layers", f"layer {L} has compress ratio {r} but no kv source layer at or before it")
-            if self.compress_ratios[src] != r:
-                bad("compress_ratios", f"layer {L} has ratio {r} but its kv source layer {src} has ratio "
-                                       f"{self.compress_ratios[src]}")
-        c = self.candidate_source_layer
-        if c >= 0:
-            if c not in self.index_source_layers:
-                bad("candidate_source_layer", f"layer {c} is not in index_source_layers")
-            for L in self.index_source_layers:
-                if L > c and self.kv_source(L) != self.kv_source(c):
-                    bad("candidate_source_layer", f"reindex layer {L} reads the kv of layer {self.kv_source(L)} "
-                                                  f"but its candidates come from layer {c} over the kv of "
-                                                  f"layer {self.kv_source(c)}")
-
-        # Engram
-        if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
-            bad("engram_num_embeddings", f"has {len(self.engram_num_embeddings)} entries for "
-                                         f"{len(self.engram_layer_ids)} engram_layer_ids")
-        if list(self.engram_layer_ids) != sorted(set(self.engram_layer_ids)):
-            bad("engram_layer_ids", f"must be strictly increasing, got {list(self.engram_layer_ids)}")
-        for L in self.engram_layer_ids:
-            if not 0 <= L < self.n_layers:
-                bad("engram_layer_ids", f"layer {L} is not a backbone layer (0..{self.n_layers - 1})")
-        if self.engram_layer_ids and self.engram_max_ngram_size < 2:
-            bad("engram_max_ngram_size", f"must be >= 2, got {self.engram_max_ngram_size}")
-        if self.engram_layer_ids and self.engram_head_dim % 32:
-            bad("engram_head_dim", f"{self.engram_head_dim} is not a multiple of the 32-column table scale block")
-        if self.engram_layer_ids and not 1 <= self.engram_compressed_vocab_size <= self.vocab_size:
-            # SPEC §6.1/§6.3: the number of classes the token map folds the vocabulary into (asserted), and
-            # the multiplier bound divides int64_max by it
-            bad("engram_compressed_vocab_size", f"must be in [1, vocab_size {self.vocab_size}] (the classes the "
-                                                f"engram token map folds the vocabulary into), got "
-                                                f"{self.engram_compressed_vocab_size}")
-
-        # DSpark
-        if self.n_mtp_layers:
-            for L in self.dspark_target_layer_ids:
-                if not 0 <= L < self.n_layers:
-                    bad("dspark_target_layer_ids", f"layer {L} is not a backbone layer")
-            if list(self.dspark_target_layer_ids) != sorted(set(self.dspark_target_layer_ids)):
-                # forward collects the inputs in layer order, once per layer: a repeat or another order would
-                # give the drafter fewer or other-ordered hidden states than the config promises
-                bad("dspark_target_layer_ids", f"must be strictly increasing, got {list(self.dspark_target_layer_ids)}")
-            if self.dspark_block_size < 1:
-                bad("dspark_block_size", f"must be >= 1, got {self.dspark_block_size}")
-        for name in ("image_token_id", "dspark_noise_token_id", "engram_pad_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                bad(name, f"token id {getattr(self, name)} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if self.vision_n_layers:
-            if self.vision_dim % self.vision_n_heads:
-                bad("vision_n_heads", f"vision_dim {self.vision_dim} not divisible by {self.vision_n_heads}")
-            hd = self.vision_dim // self.vision_n_heads
-            if hd % 4:      # SPEC §12: rotate-half over two halves of hd/2 angles = hd/4 row + hd/4 column freqs
-                bad("vision_n_heads", f"vision head dim vision_dim / vision_n_heads = {self.vision_dim} / "
-                                      f"{self.vision_n_heads} = {hd} is not a multiple of 4 (the 2D RoPE splits "
-                                      f"each head into halves of hd/2 angles, half of them per axis)")
-        self._check_sizes(bad)
-
-    def _check_sizes(self, bad) -> None:
-        """Sizes past which init_params / param_spec / load_params failed inside torch ("Overflow when unpacking long
-        long", "Storage size calculation overflowed") or ran for days: a parameter's bytes, even at 8 an element (an
-        fp64 master), must fit int64; the tree lists <= 2**22 tensors (one per expert and layer, each handled in Python:
-        the release has ~96k); the Engram layout's primes (one per layer, n-gram order and head, found by trial division
-        above engram_vocab_size) are <= 2**10, above <= 2**32 (~2 s; the release's 48 above 16e6 take ~0.02 s)."""
-        on = {"": True, "engram": bool(self.engram_layer_ids), "dspark": self.n_mtp_layers > 0,
-              "vision": self.vision_n_layers > 0}
-        v = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        v.update(engram_num_embeddings=max(self.engram_num_embeddings, default=0),
-                 dspark_target_layer_ids=len(self.dspark_target_layer_ids))
-        for shape in (sh for part, shapes in _BIG_SHAPES.items() if on[part] for sh in shapes.split()):
-            fs = shape.split("*")
-            n = math.prod(int(x) if x.isdigit() else v[x] for x in fs)
-            if n * 8 > _INT64_MAX:
-                bad(max((x for x in fs if not x.isdigit()), key=v.get),
-                    f"a parameter of {shape} = {short_repr(n)} elements is too large (its bytes do not fit in int64)")
-        counts = {"n_layers": self.n_total_layers, "n_routed_experts": self.n_routed_experts,
-                  "dspark_n_routed_experts": self.dspark_n_routed_experts * on["dspark"],
-                  "vision_n_layers": self.vision_n_layers}
-        tensors = self.n_total_layers * (6 * max(self.n_routed_experts, counts["dspark_n_routed_experts"]) + 64) \
-            + 16 * self.vision_n_layers
-        if tensors > 1 << 22:
-            bad(max(counts, key=counts.get), f"the parameter tree would list ~{short_repr(tensors)} tensors ((n_layers "
-                                             f"+ n_mtp_layers) * (6 * experts + 64) + 16 * vision_n_layers), more than "
-                                             f"2**22 (the release lists ~96k)")
-        if on["engram"]:
-            primes = len(self.engram_layer_ids) * (self.engram_max_ngram_size - 1) * self.engram_n_heads
-            if primes > 1 << 10:
-                bad("engram_n_heads", f"the Engram layout needs a prime per layer, n-gram order and head: {primes}, "
-                                      f"more than 2**10 (the release needs 48)")
-            if self.engram_vocab_size > 1 << 32:
-                bad("engram_vocab_size", f"{self.engram_vocab_size} > 2**32 (the Engram layout's primes are found by "
-                                         f"trial division above it; the release's is 16000000)")
 
     @staticmethod
     def _last_at_or_before(layers: tuple[int, ...], L: int) -> Optional[int]:
