@@ -14,6 +14,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 import functional_dsv41 as fd
 from functional_dsv41.config import short_repr
 from functional_dsv41.params import train_state as ckpt_mod
@@ -110,15 +112,42 @@ def newest_checkpoint(ckpt_dir: str, restore: bool) -> tuple[Optional[int], Opti
         try:
             return step, ck.restore(step)
         except Exception as e:                   # a damaged checkpoint: orbax's own error is pages of tracebacks
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            older = [s for s in ck.all_steps() if s < step]
-            raise SystemExit(
-                f"--resume: the newest checkpoint {os.path.join(ck.directory, str(step))} cannot be read "
-                f"({type(e).__name__}: {first}); it is damaged. "
-                + (f"Move it out of {ck.directory} to resume from the one before it (step {older[-1]})"
-                   if older else "There is no older checkpoint: start afresh with --overwrite")) from None
+            raise damaged(ck.directory, step, e, [s for s in ck.all_steps() if s < step]) from None
     finally:
         ck.close()
+
+
+def damaged(directory: str, step: int, e: BaseException, older: Optional[list] = None) -> SystemExit:
+    """The one-line refusal of a newest checkpoint (``directory``/``step``) that cannot be resumed from: unreadable
+    (``newest_checkpoint``), or readable but not fitting the run (train/run.py: a hand-edited meta). ``older``: the
+    finished steps before it, ascending (default: the step folders before it in ``directory``)."""
+    directory = os.path.abspath(directory)
+    if older is None:
+        older = sorted(int(n) for n in os.listdir(directory) if n.isdigit() and int(n) < step)
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return SystemExit(f"--resume: the newest checkpoint {os.path.join(directory, str(step))} cannot be read "
+                      f"({type(e).__name__}: {first}); it is damaged. "
+                      + (f"Move it out of {directory} to resume from the one before it (step {older[-1]})" if older
+                         else "There is no older checkpoint: start afresh with --overwrite"))
+
+
+def check_restored(r: dict, trainable: dict, frozen: dict) -> None:
+    """ValueError unless the restored params, moments and RNG state have this run's dtypes and shapes: a ``meta``
+    edited to another dtype of the same bits (uint16 for bf16) restores, and trained on other values silently."""
+    mu, nu = r["opt_state"]["mu"], r["opt_state"]["nu"]
+    if set(mu) != set(trainable) or set(nu) != set(trainable):
+        raise ValueError(f"its optimizer moments are for other params (they differ at "
+                         f"{sorted(set(mu) ^ set(trainable) | set(nu) ^ set(trainable))[:3]})")
+    want = [(f"params/{k}", r["params"][k], v.dtype, v.shape) for k, v in {**frozen, **trainable}.items()
+            if k in r["params"] and isinstance(v, torch.Tensor)]
+    want += [(f"opt/{m}/{k}", t[k], torch.float32, v.shape) for m, t in (("mu", mu), ("nu", nu))
+             for k, v in trainable.items()]                               # (optim.adamw_init's fp32 moments)
+    if r["rng_state"] is not None:
+        rng = torch.get_rng_state()
+        want.append(("rng/torch", r["rng_state"], rng.dtype, rng.shape))
+    for name, got, dtype, shape in want:
+        if got.dtype != dtype or got.shape != shape:
+            raise ValueError(f"{name} is {got.dtype} {list(got.shape)}; this run's model has {dtype} {list(shape)}")
 
 
 def trim_metrics(path: str, upto: int) -> str:

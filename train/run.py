@@ -237,37 +237,6 @@ def _load_corpus(rc: RunConfig) -> tuple:
         raise SystemExit(f"--corpus {e}") from None
 
 
-def _check_restored(r: dict, trainable: dict, frozen: dict) -> None:
-    """ValueError unless the restored params, moments and RNG state have this run's dtypes and shapes: a ``meta``
-    edited to another dtype of the same bits (uint16 for bf16) restores, and trained on other values silently."""
-    mu, nu = r["opt_state"]["mu"], r["opt_state"]["nu"]
-    if set(mu) != set(trainable) or set(nu) != set(trainable):
-        raise ValueError(f"its optimizer moments are for other params (they differ at "
-                         f"{sorted(set(mu) ^ set(trainable) | set(nu) ^ set(trainable))[:3]})")
-    want = [(f"params/{k}", r["params"][k], v.dtype, v.shape) for k, v in {**frozen, **trainable}.items()
-            if k in r["params"] and isinstance(v, torch.Tensor)]
-    want += [(f"opt/{m}/{k}", t[k], torch.float32, v.shape) for m, t in (("mu", mu), ("nu", nu))
-             for k, v in trainable.items()]                               # (optim.adamw_init's fp32 moments)
-    if r["rng_state"] is not None:
-        rng = torch.get_rng_state()
-        want.append(("rng/torch", r["rng_state"], rng.dtype, rng.shape))
-    for name, got, dtype, shape in want:
-        if got.dtype != dtype or got.shape != shape:
-            raise ValueError(f"{name} is {got.dtype} {list(got.shape)}; this run's model has {dtype} {list(shape)}")
-
-
-def _damaged(ckpt_dir: str, step: int, e: BaseException) -> SystemExit:
-    """``resume.newest_checkpoint``'s one-line refusal of an unreadable newest checkpoint, for one that restores but
-    does not fit the run (a hand-edited meta: a data position past the corpus, a param of another dtype)."""
-    d = os.path.abspath(ckpt_dir)
-    older = sorted(int(n) for n in os.listdir(d) if n.isdigit() and int(n) < step)
-    first = (str(e).strip().splitlines() or [""])[0][:200]
-    return SystemExit(f"--resume: the newest checkpoint {os.path.join(d, str(step))} cannot be read "
-                      f"({type(e).__name__}: {first}); it is damaged. "
-                      + (f"Move it out of {d} to resume from the one before it (step {older[-1]})" if older
-                         else "There is no older checkpoint: start afresh with --overwrite"))
-
-
 class _StopOnSignal:
     """Within ``with``: the first SIGINT / SIGTERM only sets ``signum``, and the loop stops before its next
     step. Why not stop at once: the signal could land inside ``ck.save`` or leave an async save unfinished,
@@ -359,7 +328,7 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
     try:
         schedule_steps = rc.steps if restored is None else resume.check_resume(rc, cfg, restored)
     except ValueError as e:                     # its recorded run settings damaged (a hand-edited extra)
-        raise _damaged(ckpt_dir, restored["step"], e) from None
+        raise resume.damaged(ckpt_dir, restored["step"], e) from None
     record = resume.run_record(rc, cfg, schedule_steps)
     if restored is not None:
         metrics_kept = resume.trim_metrics(metrics_path, restored["step"])
@@ -379,10 +348,10 @@ def _train(rc: RunConfig, *, fault: Optional[Callable] = None) -> dict:
         if missing:
             raise SystemExit(f"--resume: checkpoint lacks trainable params {missing[:5]}")
         try:   # (restore checked the meta's types against the stored arrays; these against this run's model)
-            _check_restored(r, trainable, frozen)
+            resume.check_restored(r, trainable, frozen)
             data.set_state(r["data_state"])
         except ValueError as e:
-            raise _damaged(ckpt_dir, start, e) from None
+            raise resume.damaged(ckpt_dir, start, e) from None
         trainable = {k: r["params"][k] for k in trainable}
         frozen = {k: r["params"].get(k, v) for k, v in frozen.items()}
         opt_state = r["opt_state"]
