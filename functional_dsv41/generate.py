@@ -346,6 +346,8 @@ def _render(tok, ids: Sequence[int], textless) -> str:
     in ``textless`` (see ``_textless_ids``), which ``tok.decode`` would drop silently, is shown as ``<id N>``.
     Runs of decodable ids are decoded together (a multi-byte character spans tokens), so without textless ids this
     is ``tok.decode(ids, skip_special_tokens=False)``."""
+    if not textless:        # every id the model can emit has a token (the CLI renders the whole text every step:
+        return tok.decode(list(ids), skip_special_tokens=False)     # no per-id Python pass on the common path)
     from .train.tokenizer import decode
     parts, run = [], []
     for i in ids:
