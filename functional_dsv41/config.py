@@ -243,12 +243,9 @@ class Config:
                               f"{', '.join(sorted(OPTIONAL_KEYS))} may be left out, SPEC §0; the others would "
                               f"silently take the release's values)")
         cfg = cls(**d)
-        if cfg.engram_layer_ids:                  # (lazy: engram.py imports torch; the layout is memoised)
-            from functional_dsv41.engram import layout
-            try:
-                layout(cfg)
-            except ValueError as e:
-                raise ConfigError(f"engram_num_embeddings: {e}") from None
+        from .config_checks import engram_layout_error
+        if (why := engram_layout_error(cfg)) is not None:
+            raise ConfigError(f"engram_num_embeddings: {why}")
         return cfg
 
     @classmethod

@@ -33,6 +33,21 @@ _BIG_SHAPES = {
               "vision_downsample_ratio*vision_downsample_ratio*vision_dim*dim"}
 
 
+def engram_layout_error(cfg: "Config") -> str | None:
+    """Why the Engram tables (``engram_num_embeddings``) do not fit the hash layout (SPEC §6.2), or None: forward
+    refuses such tables, after init_params / load_params made them. Not part of ``validate``: code builds configs
+    whose tables it fills itself (train/settings.py's ``tiny_model`` probes the layout with 1-row tables), so
+    ``Config.from_dict`` and ``init_params`` ask. (Lazy import: engram.py imports torch; the layout is memoised.)"""
+    if not cfg.engram_layer_ids:
+        return None
+    from .engram import layout
+    try:
+        layout(cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def validate(cfg: "Config") -> None:
     """Refuse a malformed config (``Config.__post_init__`` calls it): ConfigError naming the field and the problem."""
     def bad(name: str, msg: str):

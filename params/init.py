@@ -93,12 +93,9 @@ def init_params(cfg: Config, seed: int = 0, *, master: bool = False,
     if dtype_master is not None and dtype_master not in _MASTER_DTYPES:   # an integer one gave all-zero weights
         raise ValueError(f"init_params: dtype_master must be a float dtype ({', '.join(map(str, _MASTER_DTYPES))}) "
                          f"for float master weights, got {dtype_master} (master=False gives the storage formats)")
-    if cfg.engram_layer_ids:   # tables of other sizes than the hash layout's: forward would refuse them (SPEC §6.2)
-        from functional_dsv41.engram import layout
-        try:
-            layout(cfg)
-        except ValueError as e:
-            raise ValueError(f"init_params: {e}") from None
+    from functional_dsv41.config_checks import engram_layout_error
+    if (why := engram_layout_error(cfg)) is not None:     # forward would refuse the tables (SPEC §6.2)
+        raise ValueError(f"init_params: {why}")
     as_master = master or dtype_master is not None
     gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(seed)
     flat = {}
