@@ -228,6 +228,62 @@ def quant_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def align_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-express 32-wide-block fp8 data at one power-of-two scale per ``group`` columns, the largest of the group's
+    block scales: ``q' = e4m3_RNE(q * 2^(e - e_max))``, ``scale'`` = 2^e_max in each of the group's group/32 slots
+    (shape and dtype kept, so q', scale' are valid operands of every fp8 consumer here).
+
+    What for: the fp8 GEMM with ``group=128`` (``kernels.tilelang.fp8_gemm_ws_tl``) lets the tensor core sum a
+    group's four 32-deep slices before one fp32 promotion, which needs one scale per group; SPEC §10.3's operands
+    have one per 32 columns. Exactness: ``q' * scale' == q * scale`` element for element, except where
+    ``|q| * 2^(e - e_max)`` falls below e4m3's smallest normal 2^-6 and has bits below its subnormal step 2^-9
+    (then q' is that value rounded to the step: an error of at most 2^-10 * scale', below 2^-18 of the group's
+    largest representable magnitude 448 * scale'). A block whose scale equals the group's is copied unchanged.
+
+    q: e4m3 [..., K]; scale: e8m0 (or uint8 bytes) or fp32 powers of two, either per row [..., K/32] (activations,
+    ``act_quant``) or per 32 x 32 block [ceil(N/32), K/32] of a 2-D q [N, K] (weights, ``quant_fp8_block``).
+    """
+    op = "align_fp8_groups"
+    if q.dtype != FP8:
+        raise TypeError(f"{op}: q must be e4m3 (float8_e4m3fn), got {q.dtype}")
+    if isinstance(group, bool) or not isinstance(group, numbers.Integral) or group <= 0 or group % BLOCK:
+        raise ValueError(f"{op}: group must be a positive multiple of {BLOCK}, got {group!r}")
+    if q.dim() == 0 or q.shape[-1] % group:
+        raise ValueError(f"{op}: q's last dim must be a multiple of group={group}, got {list(q.shape)}")
+    K = q.shape[-1]
+    lead = tuple(scale.shape[:-1])
+    if scale.dim() == 0 or scale.shape[-1] != K // BLOCK:
+        raise ValueError(f"{op}: scale must have K/32 = {K // BLOCK} columns for q {list(q.shape)}, got "
+                         f"{list(scale.shape)}")
+    if lead == tuple(q.shape[:-1]):
+        rep = 1                                     # one scale per row and 32 columns
+    elif q.dim() == 2 and lead == (-(-q.shape[0] // BLOCK),):
+        rep = BLOCK                                 # 32 x 32 weight blocks
+    else:
+        raise ValueError(f"{op}: scale {list(scale.shape)} fits neither per-row blocks [..., K/32] nor 32 x 32 "
+                         f"blocks [ceil(N/32), K/32] of q {list(q.shape)}")
+    if scale.dtype in (E8M0, torch.uint8):
+        e = scale.view(torch.uint8).to(torch.int32) - 127
+    elif scale.dtype == torch.float32:
+        m, e = torch.frexp(scale)
+        if not bool(((m == 0.5) & (scale > 0)).all()):
+            raise ValueError(f"{op}: fp32 scales must be positive powers of two (act_quant's scale_fmt='ue8m0'); "
+                             f"another scale has no exact ratio to its group's largest")
+        e = e - 1
+    else:
+        raise TypeError(f"{op}: scale must be e8m0, uint8 exponent bytes or fp32, got {scale.dtype}")
+    eg = e.unflatten(-1, (K // group, group // BLOCK))
+    emax = eg.amax(-1, keepdim=True)
+    shift = (eg - emax).flatten(-2)                 # <= 0 per 32-wide block
+    if rep > 1:
+        shift = shift.repeat_interleave(rep, 0)[:q.shape[0]]
+    qa = torch.ldexp(_blocks(q.float(), BLOCK, op), shift[..., None].float()).flatten(-2).to(FP8)
+    emax = emax.expand_as(eg).flatten(-2)
+    if scale.dtype == torch.float32:
+        return qa, torch.ldexp(torch.ones_like(scale), emax)
+    return qa, (emax + 127).to(torch.uint8).view(scale.dtype)
+
+
 # ----------------------------------------------------------------------------- activations (SPEC §10.1-10.2)
 def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = "ue8m0",
               scale_dtype: torch.dtype = E8M0, *, _allow_float: bool = False):

@@ -24,8 +24,8 @@ from ._bench_common import bench, positive_int, row
 from .bench_attn import (ATTN_BWD_SWEEP, ATTN_FWD_SWEEP, attention_bound, attention_bwd, attention_cl,
                          attention_diag, attention_fwd, attention_nreg, attention_pp, attention_tail, attention_trace,
                          attention_trace_boundary)
-from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_probe, gemm_small,
-                         gemm_tail, gemm_wide, gemm_wrapper, gemms)
+from .bench_gemm import (FP4_GEMM_CFGS, GEMM_CFGS, fp4_gemms, fp4_grouped, gemm_diag, gemm_group128, gemm_probe,
+                         gemm_small, gemm_tail, gemm_wide, gemm_wrapper, gemms)
 
 
 def ceilings(results):
@@ -334,6 +334,7 @@ SECTIONS = {
     "attncl": attention_cl,
     "attnbwd": attention_bwd,
     "gemm": gemms,
+    "gemm128": gemm_group128,
     "gemmdiag": gemm_diag,
     "gemmtail": gemm_tail,
     "gemmprobe": gemm_probe,

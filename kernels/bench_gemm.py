@@ -1,5 +1,5 @@
-"""The block-scaled GEMM sections of ``python -m functional_dsv41.kernels.bench`` (gemm, gemmdiag, gemmtail,
-gemmwrap, gemmsmall, fp4gemm) and the configuration lists they sweep. Conventions: ``bench.py``'s docstring."""
+"""The block-scaled GEMM sections of ``python -m functional_dsv41.kernels.bench`` (gemm, gemm128, gemmdiag,
+gemmtail, gemmwrap, gemmsmall, fp4gemm) and the configuration lists they sweep. Conventions: ``bench.py``'s docstring."""
 import json
 
 import torch
@@ -54,6 +54,57 @@ def gemms(results, args):
                            bench(lambda: torch._scaled_mm(a, bt, sa_r, sb_r, out_dtype=torch.bfloat16)), fl, by))
         xb, wb = x, torch.randn(N, K, device="cuda").bfloat16()
         results.append(row("peer: bf16 matmul (torch)", bench(lambda: xb @ wb.t()), fl))
+
+
+# The halves kernel promoting once per 128 columns (``group=128``) on operands re-expressed at one scale per group
+# (quant.align_fp8_groups): a quarter of SPEC §10.3's FFMAs, the lever run 47's additive model left (stop 48's
+# estimate: ~840 TFLOP/s on an H100). stages=4 does not fit beside BN=192's C tile. one_tmp: BN=256 tiles (4.85
+# waves at 4096 x 5120), also with SPEC §10.3's promotion per 32 (the last two).
+GEMM128_CFGS = [dict(kernel="halves", group=128), dict(kernel="halves", group=128, stages=2),
+                dict(kernel="halves", group=128, chain=2), dict(kernel="halves", group=128, stage_scales=False),
+                dict(kernel="halves", group=128, BN=128, stages=4),
+                dict(kernel="halves", group=128, consumers=3, BN=128),
+                dict(kernel="halves", group=128, one_tmp=True, BN=256), dict(kernel="halves", group=128, one_tmp=True,
+                                                                            BN=256, stages=2),
+                dict(kernel="halves", group=128, one_tmp=True),
+                dict(kernel="halves", one_tmp=True, BN=256), dict(kernel="halves", one_tmp=True, BN=256, stages=2)]
+
+
+def gemm_group128(results, args):
+    """fp8 GEMM with one promotion per 128 columns against the default (promotion per 32, SPEC §10.3), interleaved
+    over args.rounds rounds at the three release shapes; the cosine diff of each against SPEC §10.3 on the
+    release's operands, and what aligning the activations costs as a separate torch pass (a quantiser writing
+    aligned operands directly would cost what act_quant costs)."""
+    from functional_dsv41 import quant as Q
+    from functional_dsv41.kernels import reference
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
+        print(f"-- fp8 GEMM, one promotion per 128 columns, M={M} N={N} K={K}", flush=True)
+        a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
+        b, b_s = Q.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        a2, a2_s = Q.align_fp8_groups(a, a_s, 128)
+        b2, b2_s = Q.align_fp8_groups(b, b_s, 128)
+        fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
+        sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
+        sa2, sb2 = fg._scales(a2_s), fg._col_scales(b2_s, N)
+        ref = reference.fp8_gemm(a, a_s, b, b_s)
+        variants = []
+        for cfg in [fg.default_config(M, N, K), *GEMM128_CFGS]:
+            kc = dict(cfg)
+            k = fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
+            ops = (a2, sa2, b2, sb2) if cfg.get("group", 32) != 32 else (a, sa, b, sb)
+            out, r = k(*ops).float(), ref.float()
+            cd = float(1 - 2 * (out * r).sum() / (out.square().sum() + r.square().sum()))
+            name = json.dumps(cfg, separators=(",", ":"))
+            variants.append((name, lambda k=k, ops=ops: k(*ops), fl, by, lambda ms, cd=cd: f"cosine diff {cd:.1e}"))
+        bt, sa_r, sb_r = b.t(), torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
+        variants.append(("torch._scaled_mm rowwise", lambda: torch._scaled_mm(a, bt, sa_r, sb_r,
+                                                                              out_dtype=torch.bfloat16), fl, by, None))
+        interleaved_rounds(results, args.rounds, variants)
+        results.append(row("align_fp8_groups(a) (torch, separate pass)", bench(lambda: Q.align_fp8_groups(a, a_s)),
+                           None, 2 * M * K + M * K // 16))
+        results.append(row("fp8_gemm(group=128) wrapper (scale checks incl.)",
+                           bench(lambda: fg.fp8_gemm(a2, a2_s, b2, b2_s, kernel="halves", group=128)), fl, by))
 
 
 def gemm_diag(results, args):

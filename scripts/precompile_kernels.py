@@ -209,6 +209,14 @@ def gemm():
     for shape in [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120), (4096, 5120, 2304)]:
         for cfg in t.FP8_SAME_AS_PINGPONG:
             fp8(*shape, **cfg)
+    for shape in [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120)]:   # group=128 (aligned operands)
+        for cfg in t.FP8_GROUP128:
+            kc = dict(cfg)
+            fg.kernel_factory(kc.pop("kernel"))(shape[1], shape[2], **kc)
+    for N, K in [(5120, 5120), (2304, 5120), (5120, 2304)]:   # the bench's "gemm128" section
+        for cfg in bg.GEMM128_CFGS:
+            kc = dict(cfg)
+            fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
     for cfg in bg.GEMM_PROBE_CFGS:                      # the bench's gemmprobe rows (kernels launched directly)
         kc = dict(cfg)
         fg.kernel_factory(kc.pop("kernel"))(5120, 5120, **kc)

@@ -230,3 +230,79 @@ def test_activation_quantizers_non_finite_input(bad):
         assert s16[0, 0].float() == 448 and codes[3] == (7 if bad > 0 else 15) and (codes[:3] == 0).all()
     for f in (quant.act_quant, quant.fp4_act_quant):
         assert "TileLang" in f.__doc__ and "NaN" in f.__doc__
+
+
+# ----------------------------------------------------------------------------- align_fp8_groups (fp8 GEMM group=128)
+def _spread_operands(seed=0, rows=48, K=512, spread=8):
+    """act_quant operands whose 32-wide blocks' scales differ by up to 2^spread within a 128-column group, with
+    values down to 2^-12 of their block's largest: both exact and rounded re-expressions occur."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-spread, 1, (rows, K // 32), generator=g).float()).repeat_interleave(32, 1)
+    tiny = torch.exp2(-12 * torch.rand(rows, K, generator=g))
+    x = torch.randn(rows, K, generator=g) * mag * tiny
+    return quant.act_quant(x.bfloat16(), 32, "ue8m0", quant.E8M0)
+
+
+def _check_aligned(q, s, q2, s2, rep):
+    """q2 * s2 == q * s where q * s is representable at the group's scale; else within half e4m3's subnormal
+    step (2^-10 * s2); s2 = the group's largest scale in each of its slots."""
+    f = quant.e8m0_to_float(s).repeat_interleave(rep, 0)[: q.shape[0]]
+    f2 = quant.e8m0_to_float(s2).repeat_interleave(rep, 0)[: q.shape[0]]
+    want = torch.stack([f[:, 4 * i:4 * i + 4].amax(1) for i in range(f.shape[1] // 4)], 1).repeat_interleave(4, 1)
+    assert torch.equal(f2, want)
+    v, v2 = q.double() * f.double().repeat_interleave(32, 1), q2.double() * f2.double().repeat_interleave(32, 1)
+    at_group = q.double() * (f / f2).double().repeat_interleave(32, 1)       # q in the group's units, exact
+    exact = at_group.to(quant.FP8).double() == at_group
+    assert torch.equal(v2[exact], v[exact])
+    err = (v2 - v).abs()[~exact]
+    assert bool((err <= 2.0 ** -10 * f2.double().repeat_interleave(32, 1)[~exact]).all())
+    return int((~exact).sum())
+
+
+def test_align_fp8_groups_per_row_blocks():
+    q, s = _spread_operands()
+    q2, s2 = quant.align_fp8_groups(q, s, 128)
+    assert q2.dtype == quant.FP8 and s2.dtype == quant.E8M0 and q2.shape == q.shape and s2.shape == s.shape
+    rounded = _check_aligned(q, s, q2, s2, 1)
+    assert 0 < rounded < q.numel() // 4            # both branches occur
+    same = (s2.view(torch.uint8) == s.view(torch.uint8)).repeat_interleave(32, 1)
+    assert torch.equal(q2.view(torch.uint8)[same], q.view(torch.uint8)[same])   # the group's own block: unchanged
+    q3, s3 = quant.align_fp8_groups(q2, s2, 128)    # aligned operands are a fixed point
+    assert torch.equal(q3.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s3.view(torch.uint8),
+                                                                                    s2.view(torch.uint8))
+    qf, sf = quant.align_fp8_groups(q, quant.e8m0_to_float(s), 128)        # fp32 scales: the same operands
+    assert sf.dtype == torch.float32 and torch.equal(sf, quant.e8m0_to_float(s2))
+    assert torch.equal(qf.view(torch.uint8), q2.view(torch.uint8))
+
+
+def test_align_fp8_groups_weight_blocks_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    blk = torch.exp2(torch.randint(-10, -3, (3, 8), generator=g).float())
+    w = torch.randn(70, 256, generator=g) * blk.repeat_interleave(32, 0)[:70].repeat_interleave(32, 1)
+    q, s = quant.quant_fp8_block(w)                # [70, 256] with [3, 8] 32 x 32 block scales
+    q2, s2 = quant.align_fp8_groups(q, s)
+    assert s2.shape == (3, 8)
+    _check_aligned(q, s, q2, s2, 32)
+    qa, sa = _spread_operands(seed=2, rows=12)
+    q3, s3 = quant.align_fp8_groups(qa.view(3, 4, 512), sa.view(3, 4, 16))
+    ref_q, ref_s = quant.align_fp8_groups(qa, sa)
+    assert torch.equal(q3.reshape(12, 512).view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(s3.reshape(12, 16).view(torch.uint8), ref_s.view(torch.uint8))
+
+
+def test_align_fp8_groups_refusals():
+    q, s = _spread_operands(rows=4, K=256)
+    with pytest.raises(TypeError, match="q must be e4m3"):
+        quant.align_fp8_groups(q.float(), s)
+    with pytest.raises(ValueError, match="group must be a positive multiple of 32"):
+        quant.align_fp8_groups(q, s, 48)
+    with pytest.raises(ValueError, match="multiple of group=256"):
+        quant.align_fp8_groups(q[:, :128], s[:, :4], 256)
+    with pytest.raises(ValueError, match="K/32 = 8 columns"):
+        quant.align_fp8_groups(q, s[:, :4])
+    with pytest.raises(ValueError, match="fits neither"):
+        quant.align_fp8_groups(q, s[:3])
+    with pytest.raises(ValueError, match="powers of two"):
+        quant.align_fp8_groups(q, quant.e8m0_to_float(s) * 1.5)
+    with pytest.raises(TypeError, match="scale must be e8m0"):
+        quant.align_fp8_groups(q, quant.e8m0_to_float(s).bfloat16())

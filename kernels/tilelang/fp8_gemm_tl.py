@@ -305,6 +305,20 @@ def _col_scales(b_s: torch.Tensor, N: int) -> torch.Tensor:
     return scales_f32(b_s, rep=32, rows=N)
 
 
+def _check_grouped(s: torch.Tensor, group: int, what: str) -> None:
+    """``group=128``'s kernel reads one scale per group (its first slot): refuse scales that differ within a group,
+    which it would misread silently. One host sync, on the scales only."""
+    if not isinstance(group, int) or group <= 0 or group % 32 or s.shape[-1] % (group // 32):
+        raise ValueError(f"fp8_gemm (tilelang): group={group!r} must be a multiple of 32 dividing K")
+    b = s.view(torch.uint8) if s.dtype == quant.E8M0 else s
+    g = b.unflatten(-1, (-1, group // 32))
+    bad = int((g != g[..., :1]).any(-1).sum())
+    if bad:
+        raise ValueError(f"fp8_gemm (tilelang): group={group} needs {what}'s scales equal within each {group}-column "
+                         f"group, and {bad} of {g[..., 0].numel()} groups differ: re-express the operands with "
+                         f"quant.align_fp8_groups(q, scale, {group}) first")
+
+
 def _pick_bk(K: int) -> int:
     for bk in (128, 64, 32):
         if K % bk == 0:
@@ -351,7 +365,9 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     (``fp8_gemm_ws_kernel``, K a multiple of 128; ``persistent=True`` = one CTA per SM; ``cluster=2`` = 2-CTA
     clusters multicasting the A tile, ceil(N/BN) even), "halves" (``fp8_gemm_halves_kernel``: each slice's WGMMA in
     two software-pipelined column halves), "loop" (``fp8_gemm_kernel``, any K multiple of 32) or
-    "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel."""
+    "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel.
+    ``kernel="halves", group=128``: one promotion per 128 columns, for operands whose scales are equal within
+    each 128-column group (``quant.align_fp8_groups``; checked here): not SPEC §10.3's summation order."""
     reference.check_fp8_gemm(a, a_s, b, b_s, block_size)     # the torch op's shape checks, the same errors
     if block_size != 32:                # valid, but not what the kernels tile: impl="auto" runs the torch op
         raise Unsupported(f"fp8_gemm (tilelang): block_size 32 only, got {block_size}")
@@ -369,6 +385,12 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
         return c.reshape(*lead, N).to(out_dtype)
     if cfg.get("diag"):
         raise ValueError("fp8_gemm (tilelang): diag kernels ignore the scales (bench only)")
+    if cfg.get("group", 32) != 32:      # one promotion per group: the scales must be equal within each group
+        if kernel != "halves":
+            raise ValueError(f"fp8_gemm (tilelang): group={cfg['group']} is an option of kernel='halves' only, "
+                             f"got kernel={kernel!r}")
+        _check_grouped(a_s, cfg["group"], "a_s")
+        _check_grouped(b_s, cfg["group"], "b_s")
     if "nreg" in cfg:                   # hashable for the factories' caches
         cfg["nreg"] = tuple(cfg["nreg"])
     if kernel == "ws" and cfg.get("persistent") is True:

@@ -278,7 +278,7 @@ def fp8_gemm_ws_kernel(N: int, K: int, consumers: int = 3, BN: int = 128, BK: in
 @functools.lru_cache(maxsize=None)
 def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages: int = 3, swizzle: int = 8,
                            nreg: tuple | None = None, stage_scales: bool = True, consumers: int = 2,
-                           chain: int = 1):
+                           chain: int = 1, group: int = 32, one_tmp: bool = False):
     """Two consumers (BM = 128; ``consumers=3``: BM = 192, 160 registers each), each slice's WGMMA split into two
     column halves, software-pipelined
     (``fp8_gemm(..., kernel="halves")``): the registers of the ping-pong (acc BN/2 + tmp BN/2 per thread) but
@@ -307,6 +307,16 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     WGMMAs), and stage_scales took the kernel from 595 to 676 TFLOP/s at 4096x5120x5120.
     Numerics: bitwise those of every other kernel here (each 32-deep slice summed by the tensor core, then one
     FFMA per element with the exact power-of-two scale product, slices in order).
+
+    ``group=128``: one promotion per 128-deep slice instead of per 32 (four k = 32 WGMMAs chained in the tensor
+    core's accumulator, then one FFMA per element), a quarter of the FFMAs that run 47 found adding to the
+    WGMMAs' time. Only valid where the scales are equal within each 128-column group (the kernel reads the
+    group's first slot): operands re-expressed by ``quant.align_fp8_groups``, which ``fp8_gemm(...,
+    group=128)`` checks. The sum of a group's 128 products is then the tensor core's, not four fp32 promotions:
+    not SPEC §10.3's order, within DESIGN's fp8 tolerance (``test_gpu_gemm.py::test_fp8_gemm_group128``).
+    ``one_tmp``: one temporary for both halves, each half's WGMMAs waited for and promoted before the other's
+    are issued (no overlap within a consumer, only across the two): its registers leave room for BN = 256
+    (acc 128 + tmp 64 a thread), 640 tiles = 4.85 waves of 132 SMs at 4096 x 5120, against BN = 192's 6.55.
     """
     M = T.dynamic("M")
     if consumers not in (2, 3):
@@ -320,6 +330,11 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     KB, SB, NK = K // 32, BK // 32, K // BK
     if K % BK or BK % 128 or BN % 64:
         raise ValueError(f"fp8_gemm halves: K={K}, BK={BK} must be multiples of 128 and BN={BN} of 64")
+    if group not in (32, 128):
+        raise ValueError(f"fp8_gemm halves: group={group} must be 32 (SPEC §10.3's promotion per block) or 128")
+    GK, SG = group // 32, BK // group                   # 32-wide slices per promotion, promotions per stage
+    if one_tmp and chain != 1:
+        raise ValueError(f"fp8_gemm halves: one_tmp takes chain=1, got chain={chain}")
     if consumers * nreg[0] + nreg[1] > register_pool_per_row(threads) or nreg[0] % 8 or nreg[1] % 8:
         raise ValueError(f"fp8_gemm halves: nreg={nreg} over the {threads}-thread CTA's register pool "
                          f"({register_pool_per_row(threads)} per thread of a warpgroup row)")
@@ -330,21 +345,22 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     HC = HB // 32                                       # 32-column scale blocks per half
 
     @T.macro
-    def issue(w, s, kk, h, tmp, a_s, b_s):
-        T.wgmma_gemm(a_s[s, w * W:(w + 1) * W, kk * 32:(kk + 1) * 32],
-                     b_s[s, h * HB:(h + 1) * HB, kk * 32:(kk + 1) * 32], tmp, transpose_B=True, clear_accum=True)
+    def issue(w, s, kk, h, tmp, a_s, b_s):             # promotion slice kk: group / 32 chained k = 32 WGMMAs
+        T.wgmma_gemm(a_s[s, w * W:(w + 1) * W, kk * group:(kk + 1) * group],
+                     b_s[s, h * HB:(h + 1) * HB, kk * group:(kk + 1) * group], tmp, transpose_B=True,
+                     clear_accum=True)
 
-    SPK = SB if stage_scales else 1                     # slices whose scale products sp holds at once
+    SPK = SG if stage_scales else 1                     # promotion slices whose scale products sp holds at once
 
     @T.macro
-    def scale_products(w, s, kk, h, sp, sa, sb):
+    def scale_products(w, s, kk, h, sp, sa, sb):        # a group's scales: its first 32-wide slot
         for i, c in T.Parallel(W, HC):
-            sp[i, c] = sa[s, w * W + i, kk] * sb[s, (h * HC + c) * 32, kk]
+            sp[i, c] = sa[s, w * W + i, kk * GK] * sb[s, (h * HC + c) * 32, kk * GK]
 
     @T.macro
     def stage_products(w, s, h, sp, sa, sb):
-        for i, c in T.Parallel(W, SB * HC):
-            sp[i, c] = sa[s, w * W + i, c // HC] * sb[s, (h * HC + c % HC) * 32, c // HC]
+        for i, c in T.Parallel(W, SG * HC):
+            sp[i, c] = sa[s, w * W + i, (c // HC) * GK] * sb[s, (h * HC + c % HC) * 32, (c // HC) * GK]
 
     @T.macro
     def accumulate(tmp, acc, sp, kk):
@@ -352,10 +368,28 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
             acc[i, j] += tmp[i, j] * sp[i, (kk % SPK) * HC + j // 32]
 
     @T.macro
-    def stage(w, k, chained_in, chain_out, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA, spB):
-        """Ring stage k of consumer w. ``chained_in``: its first two WGMMAs were issued by the previous stage;
-        ``chain_out``: the next stage's first two WGMMAs are issued here, in the shadow of this stage's last
-        promotions (instead of draining with wait_wgmma(0))."""
+    def one_tmp_stage(w, k, a_s, b_s, sa, sb, full, empty, accA, accB, tmp, spA, spB):
+        s = k % stages
+        T.barrier_wait(full[s], (k // stages) % 2)
+        for kk in T.unroll(SG):
+            issue(w, s, kk, 0, tmp, a_s, b_s)
+            if stage_scales:
+                if kk == 0:                             # all SG slices' products, while A0 runs
+                    stage_products(w, s, 0, spA, sa, sb)
+                    stage_products(w, s, 1, spB, sa, sb)
+            else:
+                scale_products(w, s, kk, 0, spA, sa, sb)
+                scale_products(w, s, kk, 1, spB, sa, sb)
+            T.wait_wgmma(0)
+            accumulate(tmp, accA, spA, kk)
+            issue(w, s, kk, 1, tmp, a_s, b_s)
+            T.wait_wgmma(0)
+            accumulate(tmp, accB, spB, kk)
+        T.barrier_arrive(empty[s])
+
+    @T.macro
+    def two_tmp_stage(w, k, chained_in, chain_out, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA,
+                      spB):
         s = k % stages
         if not chained_in:                              # the whole chain's stages, while no WGMMA is in flight
             T.barrier_wait(full[s], (k // stages) % 2)  # (a wait loop with one in flight: ptxas C7514)
@@ -363,37 +397,48 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
                 T.barrier_wait(full[(k + 1) % stages], ((k + 1) // stages) % 2)
             issue(w, s, 0, 0, tmpA, a_s, b_s)
             issue(w, s, 0, 1, tmpB, a_s, b_s)
-        if stage_scales:                                # all SB slices' products, while A0 / B0 run
+        if stage_scales:                                # all SG slices' products, while A0 / B0 run
             stage_products(w, s, 0, spA, sa, sb)
             stage_products(w, s, 1, spB, sa, sb)
-        for kk in T.unroll(SB):                         # scale loads before each wait: off the path
+        for kk in T.unroll(SG):                         # scale loads before each wait: off the path
             if not stage_scales:
                 scale_products(w, s, kk, 0, spA, sa, sb)
             T.wait_wgmma(1)                             # A(kk) complete, B(kk) may run
             accumulate(tmpA, accA, spA, kk)
-            if kk + 1 < SB:
+            if kk + 1 < SG:
                 issue(w, s, kk + 1, 0, tmpA, a_s, b_s)
             elif chain_out:                             # the next stage's A0 behind this stage's B(last)
                 issue(w, (k + 1) % stages, 0, 0, tmpA, a_s, b_s)
             if not stage_scales:
                 scale_products(w, s, kk, 1, spB, sa, sb)
-            if kk + 1 < SB or chain_out:
+            if kk + 1 < SG or chain_out:
                 T.wait_wgmma(1)                         # B(kk) complete, the next A may run
             else:
                 T.wait_wgmma(0)                         # the stage's last WGMMA
             accumulate(tmpB, accB, spB, kk)
-            if kk + 1 < SB:
+            if kk + 1 < SG:
                 issue(w, s, kk + 1, 1, tmpB, a_s, b_s)
             elif chain_out:
                 issue(w, (k + 1) % stages, 0, 1, tmpB, a_s, b_s)
         T.barrier_arrive(empty[s])                      # its WGMMAs completed, its scales read
 
     @T.macro
+    def stage(w, k, chained_in, chain_out, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB, spA, spB):
+        """Ring stage k of consumer w. ``chained_in``: its first two WGMMAs were issued by the previous stage;
+        ``chain_out``: the next stage's first two WGMMAs are issued here, in the shadow of this stage's last
+        promotions (instead of draining with wait_wgmma(0))."""
+        if one_tmp:
+            one_tmp_stage(w, k, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, spA, spB)
+        else:
+            two_tmp_stage(w, k, chained_in, chain_out, a_s, b_s, sa, sb, full, empty, accA, accB, tmpA, tmpB,
+                          spA, spB)
+
+    @T.macro
     def consumer(w, a_s, b_s, sa, sb, full, empty, done, C, bx, by):
         accA = T.alloc_fragment([W, HB], F32)
         accB = T.alloc_fragment([W, HB], F32)
         tmpA = T.alloc_fragment([W, HB], F32)
-        tmpB = T.alloc_fragment([W, HB], F32)
+        tmpB = tmpA if one_tmp else T.alloc_fragment([W, HB], F32)
         spA = T.alloc_fragment([W, SPK * HC], F32)
         spB = T.alloc_fragment([W, SPK * HC], F32)
         T.clear(accA)
