@@ -101,6 +101,11 @@ def gemm_group128(results, args):
         variants.append(("torch._scaled_mm rowwise", lambda: torch._scaled_mm(a, bt, sa_r, sb_r,
                                                                               out_dtype=torch.bfloat16), fl, by, None))
         interleaved_rounds(results, args.rounds, variants)
+        from functional_dsv41.kernels.tilelang import act_quant_tl
+        xb = torch.randn(M, K, device="cuda").bfloat16()
+        results.append(row("act_quant (TileLang)", bench(lambda: act_quant_tl.act_quant(xb)), None, 3 * M * K))
+        results.append(row("act_quant_grouped 128 (TileLang, aligned)", bench(lambda: act_quant_tl.act_quant_grouped(
+            xb, 128)), None, 3 * M * K))
         results.append(row("align_fp8_groups(a) (torch, separate pass)", bench(lambda: Q.align_fp8_groups(a, a_s)),
                            None, 2 * M * K + M * K // 16))
         results.append(row("fp8_gemm(group=128) wrapper (scale checks incl.)",

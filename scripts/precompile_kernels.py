@@ -213,6 +213,10 @@ def gemm():
         for cfg in t.FP8_GROUP128:
             kc = dict(cfg)
             fg.kernel_factory(kc.pop("kernel"))(shape[1], shape[2], **kc)
+    from functional_dsv41.kernels.tilelang import act_quant_tl
+    for K in (128, 256, 2304, 5120):                    # act_quant_grouped: its GPU test and the gemm128 section
+        act_quant_tl.act_quant_grouped(torch.randn(3, K).bfloat16(), 128)
+        act_quant_tl.act_quant(torch.randn(3, K).bfloat16())
     for N, K in [(5120, 5120), (2304, 5120), (5120, 2304)]:   # the bench's "gemm128" section
         for cfg in bg.GEMM128_CFGS:
             kc = dict(cfg)

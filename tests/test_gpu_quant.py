@@ -29,6 +29,27 @@ def test_act_quant_bit_exact(shape):
     assert torch.equal(_bytes(s), _bytes(s_r))
 
 
+@pytest.mark.parametrize("shape", [(7, 256), (4096, 5120), (3, 5, 2304), (1, 128)])
+def test_act_quant_grouped_bit_exact(shape):
+    """One kernel for act_quant then align_fp8_groups (the fp8 GEMM's group=128 operands): the same bytes, with
+    block scales 2^-30 .. 2^11 apart, so a group's blocks are re-expressed by up to 2^41 (rounded, or to 0)."""
+    _need_tilelang()
+    from functional_dsv41.kernels.tilelang import act_quant_tl
+    g = torch.Generator(device=DEV).manual_seed(8)
+    x = torch.randn(shape, device=DEV, generator=g)
+    x = x * torch.exp2(torch.randint(-30, 12, x.shape[:-1] + (x.shape[-1] // 32, 1), device=DEV,
+                                     generator=g).float()).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    x = x.bfloat16()
+    x.view(-1)[:32] = 1e-6                                   # a block under the 1e-4 floor
+    q, s = act_quant_tl.act_quant_grouped(x, 128)
+    q_r, s_r = Q.align_fp8_groups(*Q.act_quant(x, 32, "ue8m0", Q.E8M0), 128)
+    assert q.dtype == Q.FP8 and s.dtype == Q.E8M0 and q.shape == q_r.shape and s.shape == s_r.shape
+    assert torch.equal(_bytes(q), _bytes(q_r))
+    assert torch.equal(_bytes(s), _bytes(s_r))
+    with pytest.raises(ValueError, match="not a multiple of block_size 128"):
+        act_quant_tl.act_quant_grouped(x[..., :96], 128)
+
+
 def test_act_quant_golden():
     _need_tilelang()
     from conftest import golden

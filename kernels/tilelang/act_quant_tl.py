@@ -51,6 +51,65 @@ def act_quant_kernel(G: int, bs: int = 32, BR: int = 16, GB: int = 16, threads: 
     return compile_kernel(act_quant, out_idx=[1, 2])
 
 
+@functools.lru_cache(maxsize=None)
+def act_quant_grouped_kernel(G: int, group: int = 128, BR: int = 16, GB: int = 4, threads: int = 128):
+    """x viewed [R, G * NB, 32] (NB = group / 32 blocks a group) -> q [R, G * NB, 32] e4m3 and s [R, G * NB]
+    (e8m0 bytes, equal within each group): ``quant.align_fp8_groups(act_quant(x), group)`` in one pass. Each
+    32-wide block is quantised at its own scale 2^e as act_quant does, then re-expressed at the group's largest,
+    2^emax: ``q' = e4m3_RNE(e4m3_RNE(x * 2^-e) * 2^(e - emax))`` (the second rounding is exact unless the value
+    falls below e4m3's normals)."""
+    R = T.dynamic("R")
+    if group != 128:
+        raise ValueError(f"act_quant_grouped: group=128 only (the fp8 GEMM's), got {group}")
+    NB = group // 32
+    GB = min(GB, G)
+    while G % GB:
+        GB //= 2
+    inv = 1.0 / 448.0
+
+    @T.prim_func
+    def act_quant_grouped(
+        X: T.Tensor([R, G * NB, 32], BF16),
+        Q: T.Tensor([R, G * NB, 32], FP8),
+        S: T.Tensor([R, G * NB], "uint8"),
+    ):
+        with T.Kernel(T.ceildiv(R, BR), G // GB, threads=threads) as (bx, by):
+            x = T.alloc_fragment([BR, GB * NB, 32], F32)
+            amax = T.alloc_fragment([BR, GB * NB], F32)
+            e_s = T.alloc_shared([BR, GB * NB], "int32")
+            emax_s = T.alloc_shared([BR, GB], "int32")
+            T.copy(X[bx * BR:(bx + 1) * BR, by * GB * NB:(by + 1) * GB * NB, :], x)
+            T.reduce_absmax(x, amax, dim=2)
+            for i, b in T.Parallel(BR, GB * NB):
+                bits = T.reinterpret(T.max(amax[i, b], T.float32(1e-4)) * T.float32(inv), "int32")
+                e_s[i, b] = ((bits >> 23) & 255) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+            for i, g in T.Parallel(BR, GB):             # (one expression: no shared read-back in a loop)
+                emax_s[i, g] = T.max(T.max(e_s[i, g * NB], e_s[i, g * NB + 1]),
+                                     T.max(e_s[i, g * NB + 2], e_s[i, g * NB + 3]))
+            for i, b, k in T.Parallel(BR, GB * NB, 32):
+                q1 = T.Cast(FP8, T.clamp(x[i, b, k] * T.reinterpret((127 - e_s[i, b]) << 23, F32), -448.0, 448.0))
+                x[i, b, k] = T.Cast(F32, q1) * T.reinterpret(     # 2^(e - emax), or 0 below 2^-126 (where every
+                    T.max(127 + e_s[i, b] - emax_s[i, b // NB], 0) << 23, F32)   # e4m3 value rounds to 0 anyway)
+            T.copy(x, Q[bx * BR:(bx + 1) * BR, by * GB * NB:(by + 1) * GB * NB, :])
+            for i, b in T.Parallel(BR, GB * NB):
+                if bx * BR + i < R:
+                    S[bx * BR + i, by * GB * NB + b] = T.Cast("uint8", emax_s[i, b // NB] + 127)
+
+    return compile_kernel(act_quant_grouped, out_idx=[1, 2])
+
+
+def act_quant_grouped(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 x [..., K] -> (e4m3 [..., K], e8m0 [..., K/32]) equal to ``quant.align_fp8_groups(quant.act_quant(x,
+    32, "ue8m0", e8m0), group)`` bit for bit, in one kernel: the operands of ``fp8_gemm(..., kernel="halves",
+    group=128)``."""
+    quant._check_blocks("act_quant_grouped", x, group)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"act_quant_grouped expects bf16 input, got {x.dtype}")
+    K = x.shape[-1]
+    q, s = act_quant_grouped_kernel(K // group, group)(x.reshape(-1, K // 32, 32).contiguous())
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], K // 32).view(quant.E8M0)
+
+
 def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = "ue8m0",
               scale_dtype: torch.dtype = quant.E8M0):
     """Same contract as ``quant.act_quant`` for the release's call (bf16, ue8m0, e8m0 or fp32 scales);
