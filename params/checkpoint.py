@@ -199,6 +199,18 @@ def _is_engram_table(name: str) -> bool:
     return ".engram.embed." in name
 
 
+def _check_engram_layout(cfg: Config, who: str, note: str = "") -> None:
+    """A :class:`CheckpointError` when ``cfg``'s Engram tables (``engram_num_embeddings``) do not fit the hash
+    layout (SPEC §6.2; ``config_checks.engram_layout_error``). ``_check`` cannot see it: the spec takes the tables'
+    rows from ``cfg`` itself, so a config built in code (``Config(...)``, ``cfg.replace(...)``: only
+    ``Config.from_dict`` asks) and tables of its rows agreed, were saved and loaded, and only forward refused them."""
+    from functional_dsv41.config_checks import engram_layout_error
+    why = engram_layout_error(cfg)
+    if why is not None:
+        raise CheckpointError(f"{who}: the config's Engram tables do not fit the hash layout (SPEC §6.2: forward "
+                              f"refuses them){note}:", [why])
+
+
 def _check(entries: list[Entry], found: dict[str, tuple[tuple, torch.dtype]], what: str):
     """All mismatches between the spec and ``found`` (name -> (shape, dtype)), raised at once."""
     want = {e.name: e for e in entries}
@@ -276,9 +288,11 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     If ``cfg`` has Engram layers and ``tokenizer`` (a tokenizer.json path) is given or the folder
     holds ``tokenizer.json``, ``params["engram_token_map"]`` (int64 ``[vocab]``, SPEC §6.1) is built
     with ``functional_dsv41.engram.build_token_map`` and checked against ``cfg.engram_compressed_vocab_size``; a
-    ``tokenizer`` path that does not exist is an error.
+    ``tokenizer`` path that does not exist is an error. A ``cfg`` whose ``engram_num_embeddings`` do not fit the Engram
+    hash layout (a config built in code) is a :class:`CheckpointError`, strict or not: forward refuses such tables.
     """
     require_config(cfg, "load_params")       # a path or a dict failed deep inside the spec walk
+    _check_engram_layout(cfg, "load_params")   # (strict or not: the tables would be unusable)
     path = Path(path)
     where = _resolve(path)
     shards = sorted(set(where.values()))

@@ -25,7 +25,8 @@ from functional_dsv41 import sharding
 from functional_dsv41.config import Config, require_config
 from functional_dsv41.pytree import flatten_with_paths
 
-from .checkpoint import INDEX, SINGLE, TOKEN_MAP, CheckpointError, _NAMES, _check, _first, _read_index
+from .checkpoint import (INDEX, SINGLE, TOKEN_MAP, CheckpointError, _NAMES, _check, _check_engram_layout, _first,
+                         _read_index)
 from .spec import spec_entries
 
 
@@ -33,7 +34,9 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     """Write ``params`` to folder ``path`` in the released layout; returns the files written.
 
     The tree is first checked against ``param_spec(cfg)`` (all problems at once, nothing written on
-    failure; ``engram_token_map`` is ignored). Storage dtypes are kept, metadata ``{"format": "pt"}``.
+    failure; ``engram_token_map`` is ignored), and before that ``cfg`` against the Engram hash layout (a config
+    built in code can give the tables other rows; ``param_spec`` takes them from ``cfg``). Storage dtypes are
+    kept, metadata ``{"format": "pt"}``.
     One ``model.safetensors`` when the tensors fit in ``max_shard_bytes``, else
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``. Atomic: temp
     files in ``path``, fsync, ``os.replace`` into place, index last; files of a previous checkpoint
@@ -41,6 +44,7 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     read is refused before anything is written: which files the old checkpoint has is then unknown.
     """
     require_config(cfg, "save_params")
+    _check_engram_layout(cfg, "save_params", "; nothing was written")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"save_params: {path} is a file; save_params writes a folder (config.json, "

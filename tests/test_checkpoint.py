@@ -113,6 +113,46 @@ def test_save_validates_before_writing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _off_layout(rows=100):
+    """A config built in code whose Engram tables have ``rows`` rows (not the hash layout's 2514 / 2712: only
+    Config.from_dict refuses that), and a params tree with tables of those rows: it matches param_spec(cfg)."""
+    good = fd.Config.tiny()
+    cfg = good.replace(engram_num_embeddings=(rows, rows))
+    flat = fd.flatten_with_paths(fd.init_params(good, seed=0))
+    for L in cfg.engram_layer_ids:
+        for leaf in ("weight", "scale"):
+            flat[f"layers.{L}.engram.embed.{leaf}"] = flat[f"layers.{L}.engram.embed.{leaf}"][:rows].clone()
+    return cfg, flat
+
+
+_OFF_LAYOUT = (r"the config's Engram tables do not fit the hash layout \(SPEC §6.2: forward refuses them\)(.|\n)*"
+               r"engram layout: layer 1 needs 2514 table rows \(sum of its primes\), config engram_num_embeddings\[0\] "
+               r"= 100")
+
+
+def test_save_refuses_a_config_off_the_engram_layout(tmp_path):
+    """Such a config and tables of its rows agreed with each other, so save_params wrote them over the good
+    checkpoint in the folder (and load_params read them back); only forward refused the tables."""
+    fd.save_params(fd.init_params(fd.Config.tiny(), seed=0), tmp_path, fd.Config.tiny())
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    cfg, flat = _off_layout()
+    with pytest.raises(CheckpointError, match="save_params: " + _OFF_LAYOUT) as ei:
+        fd.save_params(fd.unflatten_from_paths(flat), tmp_path, cfg)
+    assert "nothing was written" in str(ei.value)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before     # no temporary file either
+    with pytest.raises(CheckpointError, match="save_params: " + _OFF_LAYOUT):          # nor a new folder
+        fd.save_params(fd.unflatten_from_paths(flat), tmp_path / "new", cfg, max_shard_bytes=1e5)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_refuses_a_config_off_the_engram_layout(tmp_path, strict):
+    cfg, flat = _off_layout()
+    _write(tmp_path / "model.safetensors", flat)          # (as save_params wrote it before it checked the layout)
+    with pytest.raises(CheckpointError, match="load_params: " + _OFF_LAYOUT):
+        fd.load_params(tmp_path, cfg, strict=strict)
+
+
 @pytest.mark.parametrize("shard", ["../evil.safetensors", "/tmp/evil.safetensors", "sub/../../evil.safetensors"])
 def test_index_path_traversal_refused(tmp_path, shard):
     ck_dir = tmp_path / "ck"
@@ -293,11 +333,17 @@ def _rss():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_mmap_engram_tables_stay_mapped(tmp_path):
-    rows = 1 << 20  # a 32 MiB table (head_dim 32): large enough to see in the resident set
-    cfg = fd.Config.tiny(engram_num_embeddings=(rows, 2712))
+    from functional_dsv41.train.settings import engram_rows
+    # tables of ~2**20 rows, 32 MiB each (head_dim 32): large enough to see in the resident set. Their rows are the
+    # hash layout's for this engram_vocab_size (6 primes a layer above it): save_params refuses other rows
+    probe = fd.Config.tiny(engram_vocab_size=175_000)
+    cfg = probe.replace(engram_num_embeddings=engram_rows(probe))
+    rows = cfg.engram_num_embeddings[0]
     p = fd.init_params(fd.Config.tiny(), seed=0)
-    p["layers"][1]["engram"]["embed"]["weight"] = torch.ones(rows, 32, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    p["layers"][1]["engram"]["embed"]["scale"] = torch.full((rows, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    for L, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
+        e = p["layers"][L]["engram"]["embed"]
+        e["weight"] = torch.ones(n, 32, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        e["scale"] = torch.full((n, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     fd.save_params(p, tmp_path, cfg)
     del p
     path = os.path.realpath(tmp_path / "model.safetensors")

@@ -405,6 +405,18 @@ def test_refused_before_anything_is_built(tmp_path, kw, msg):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_config_off_the_engram_layout_is_refused_before_out_is_written(tmp_path, monkeypatch):
+    """A model config built in code with Engram tables of other rows than the hash layout's (the presets and
+    Config.from_json never give one) is refused by init_params, before the run writes its records or a checkpoint
+    records the config (TrainCheckpointer takes no config: the run is its only way in)."""
+    real = run.model_config
+    monkeypatch.setattr(run, "model_config", lambda rc: real(rc).replace(engram_num_embeddings=(100, 100)))
+    with pytest.raises(ValueError, match=r"init_params: engram layout: layer 1 needs \d+ table rows \(sum of its "
+                                         r"primes\), config engram_num_embeddings\[0\] = 100"):
+        run.train(_rc(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()
+
+
 def test_out_that_cannot_be_created(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit, match=f"--out {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file, not a folder"):
