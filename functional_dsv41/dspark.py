@@ -38,11 +38,10 @@ import torch.nn.functional as F
 from . import kernels, sharding, transforms
 from .attention import output_projection, project_qkv
 from .config import Config
-from .hyper import hc_mixes, hc_post, hc_pre
+from .hyper import hc_pre
 from .linear import fp8_qdq, linear, qat_format
-from .model import make_chunk
+from .model import make_chunk, mhc_block
 from .validate import _check_ids, _check_inputs, _not_int_tensor, _outside_vocab
-from .moe import moe
 from .norm import rms_norm
 from .rope import apply_rope, rope_angles
 from .state import AttnCache, DecodeState, config_mismatch
@@ -177,33 +176,23 @@ def _stage_attention(p: dict, x: torch.Tensor, kv_all: torch.Tensor, idx: torch.
 def _stages(params: dict, ids: torch.Tensor, main_rows: list, idx: torch.Tensor, qpos: torch.Tensor, *,
             cfg: Config, mode: str, impl, dispatch: str, qdq: bool = True, debug: Optional[dict] = None):
     """Run all draft stages. ids [b, M] draft tokens; main_rows[s] [b, N, D] stage s's main KV rows;
-    idx [b, M, T] into [main rows ; the M block rows]; qpos [b, M] positions -> x = hc_pre(h, pre) [b, M, dim]."""
+    idx [b, M, T] into [main rows ; the M block rows]; qpos [b, M] positions -> x = hc_pre(h, pre) [b, M, dim].
+    Each stage is a backbone block (``model.mhc_block``: mHC, RMSNorms, MoE; no image mask) whose attention is
+    ``_stage_attention`` over its main-KV rows and the block's own kv, the queries rotated at ``qpos``."""
     b, M = ids.shape
-    eps = cfg.norm_eps
     h = sharding.embedding(ids, params["embed"]["weight"])          # (= F.embedding; rows may be split)
     h = h.unsqueeze(2).expand(b, M, cfg.hc_mult, cfg.dim).contiguous()
     pre = torch.zeros(b, M, cfg.hc_mult, dtype=torch.float32, device=ids.device)
     pre[..., 0] = 1.0
     for si, L in enumerate(cfg.dspark_layer_ids):
-        p = params["mtp"][si]
-        d = {} if debug is not None else None
-        rot = rope_angles(cfg, L, qpos)
-        res = h
-        a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
-        x = rms_norm(hc_pre(h, pre, impl=impl), p["attn_norm"]["weight"], eps)
-        x = _stage_attention(p["attn"], x, main_rows[si], idx, rot, cfg=cfg, mode=mode, impl=impl, qdq=qdq,
-                             debug=d)
-        h = hc_post(x, res, a_post, a_comb, impl=impl)
-        res = h
-        f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
-        y = rms_norm(hc_pre(h, a_pre, impl=impl), p["ffn_norm"]["weight"], eps)
-        y, (gw, gi) = moe(p["ffn"], y, cfg=cfg, layer_id=L, mode=mode, impl=impl, dispatch=dispatch,
-                          return_routing=True)
-        h = hc_post(y, res, f_post, f_comb, impl=impl)
-        pre = f_pre
-        if debug is not None:
-            d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
-            debug.update({f"stage.{si}.{k}": v for k, v in d.items()})
+        p, rot = params["mtp"][si], rope_angles(cfg, L, qpos)
+
+        def attend(x, d):                   # (mhc_block calls it at once: p, si, rot are this stage's)
+            return _stage_attention(p["attn"], x, main_rows[si], idx, rot, cfg=cfg, mode=mode, impl=impl, qdq=qdq,
+                                    debug=d)
+
+        h, pre = mhc_block(p, h, pre, attend, cfg=cfg, layer_id=L, mode=mode, impl=impl, dispatch=dispatch,
+                           debug=debug, debug_prefix=f"stage.{si}.")
     return hc_pre(h, pre, impl=impl)
 
 

@@ -58,19 +58,22 @@ class ForwardOutput:
     aux: Optional[dict] = None
 
 
-def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache,
-          shared: SharedAttention, image_mask=None, mode="reference", impl=None, dispatch="sorted",
-          qdq: bool = True, debug: dict | None = None, aux: dict | None = None):
-    """One block with hyper-connections (SPEC §2). h [b, s, hc, dim] bf16, pre_in [b, s, hc] fp32
-    (the previous block's ffn ``pre``) -> (h [b, s, hc, dim] bf16, ffn pre [b, s, hc] fp32, the layer's new
-    cache or None, shared)."""
+def mhc_block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, attend, *, cfg: Config, layer_id: int,
+              image_mask=None, mode="reference", impl=None, dispatch="sorted", debug: dict | None = None,
+              debug_prefix: str = ""):
+    """One block with hyper-connections (SPEC §2) around the attention ``attend``: mixes, RMSNorm, attention, mixes,
+    RMSNorm, MoE. ``attend(x, d)`` maps the normed input [b, s, dim] to the attention output [b, s, dim]; ``d`` is the
+    dict its debug tensors go into (None without ``debug``). ``block`` passes ``attention``; a DSpark stage
+    (``dspark._stages``) its draft attention over the main-KV ring (SPEC §7: otherwise a full block).
+    h [b, s, hc, dim] bf16, pre_in [b, s, hc] fp32 (the previous block's ffn ``pre``) -> (h, ffn pre [b, s, hc] fp32).
+    ``debug`` gets d's entries, then attn_out, gate_weights, gate_idx, ffn_out, h and pre_mix, each key prefixed
+    with ``debug_prefix``."""
     eps = cfg.norm_eps
     d = {} if debug is not None else None
     res = h
     a_pre, a_post, a_comb = hc_mixes(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg=cfg, impl=impl)
     x = rms_norm(hc_pre(h, pre_in, impl=impl), p["attn_norm"]["weight"], eps)
-    x, cache, shared, _ = attention(p["attn"], x, cfg=cfg, layer_id=layer_id, chunk=chunk, cache=cache,
-                                    shared=shared, mode=mode, impl=impl, qdq=qdq, debug=d, aux=aux)
+    x = attend(x, d)
     h = hc_post(x, res, a_post, a_comb, impl=impl)
     res = h
     f_pre, f_post, f_comb = hc_mixes(h, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg=cfg, impl=impl)
@@ -80,8 +83,25 @@ def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_
     h = hc_post(y, res, f_post, f_comb, impl=impl)
     if debug is not None:
         d.update(attn_out=x, gate_weights=gw, gate_idx=gi, ffn_out=y, h=h, pre_mix=f_pre)
-        debug.update({f"layer.{layer_id}.{k}": v for k, v in d.items()})
-    return h, f_pre, cache, shared
+        debug.update({f"{debug_prefix}{k}": v for k, v in d.items()})
+    return h, f_pre
+
+
+def block(p: dict, h: torch.Tensor, pre_in: torch.Tensor, *, cfg: Config, layer_id: int, chunk: Chunk, cache,
+          shared: SharedAttention, image_mask=None, mode="reference", impl=None, dispatch="sorted",
+          qdq: bool = True, debug: dict | None = None, aux: dict | None = None):
+    """One backbone block (SPEC §2): ``mhc_block`` around ``attention``. h [b, s, hc, dim] bf16, pre_in [b, s, hc]
+    fp32 (the previous block's ffn ``pre``) -> (h [b, s, hc, dim] bf16, ffn pre [b, s, hc] fp32, the layer's new
+    cache or None, shared)."""
+    def attend(x, d):
+        nonlocal cache, shared                  # the layer's new cache and shared slots: block returns them
+        x, cache, shared, _ = attention(p["attn"], x, cfg=cfg, layer_id=layer_id, chunk=chunk, cache=cache,
+                                        shared=shared, mode=mode, impl=impl, qdq=qdq, debug=d, aux=aux)
+        return x
+
+    h, pre = mhc_block(p, h, pre_in, attend, cfg=cfg, layer_id=layer_id, image_mask=image_mask, mode=mode,
+                       impl=impl, dispatch=dispatch, debug=debug, debug_prefix=f"layer.{layer_id}.")
+    return h, pre, cache, shared
 
 
 def _block_aux(p: dict, h: torch.Tensor, pre_in: torch.Tensor, **kw):

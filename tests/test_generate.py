@@ -88,17 +88,19 @@ def test_speculative_stats_count_committed_tokens():
 
 
 def test_speculative_passes_dispatch_to_the_drafter(monkeypatch):
-    """dispatch="dense" (no host reads of expert counts) reaches the DSpark stages' MoE too."""
-    from functional_dsv41 import dspark
+    """dispatch="dense" (no host reads of expert counts) reaches the DSpark stages' MoE too (a stage is a
+    model.mhc_block, as a backbone layer is)."""
+    from functional_dsv41 import model
+    cfg, params = random_model()
     seen = []
-    real = dspark.moe
+    real = model.moe
 
     def spy(*a, dispatch="sorted", **kw):
-        seen.append(dispatch)
+        if cfg.is_dspark(kw["layer_id"]):
+            seen.append(dispatch)
         return real(*a, dispatch=dispatch, **kw)
 
-    monkeypatch.setattr(dspark, "moe", spy)
-    cfg, params = random_model()
+    monkeypatch.setattr(model, "moe", spy)
     fd.generate(params, [[0, 4, 5]], cfg=cfg, max_new_tokens=3, speculative=True, dispatch="dense")
     assert seen and set(seen) == {"dense"}
 
