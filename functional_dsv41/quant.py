@@ -230,18 +230,19 @@ def quant_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def align_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Re-express 32-wide-block fp8 data at one power-of-two scale per ``group`` columns, the largest of the group's
-    block scales: ``q' = e4m3_RNE(q * 2^(e - e_max))``, ``scale'`` = 2^e_max in each of the group's group/32 slots
-    (shape and dtype kept, so q', scale' are valid operands of every fp8 consumer here).
+    block scales: ``q' = e4m3_RNE(q * 2^(e - e_max))`` and ``scale'`` = 2^e_max, one per group (K/group columns,
+    the input's dtype). ``expand_group_scales(scale', group)`` gives them back in SPEC §10.3's 32-wide layout.
 
     What for: the fp8 GEMM with ``group=128`` (``kernels.tilelang.fp8_gemm_ws_tl``) lets the tensor core sum a
     group's four 32-deep slices before one fp32 promotion, which needs one scale per group; SPEC §10.3's operands
-    have one per 32 columns. Exactness: ``q' * scale' == q * scale`` element for element, except where
+    have one per 32 columns. Exactness: ``q' * scale'`` equals ``q * scale`` element for element, except where
     ``|q| * 2^(e - e_max)`` falls below e4m3's smallest normal 2^-6 and has bits below its subnormal step 2^-9
     (then q' is that value rounded to the step: an error of at most 2^-10 * scale', below 2^-18 of the group's
     largest representable magnitude 448 * scale'). A block whose scale equals the group's is copied unchanged.
 
     q: e4m3 [..., K]; scale: e8m0 (or uint8 bytes) or fp32 powers of two, either per row [..., K/32] (activations,
-    ``act_quant``) or per 32 x 32 block [ceil(N/32), K/32] of a 2-D q [N, K] (weights, ``quant_fp8_block``).
+    ``act_quant``) or per 32 x 32 block [ceil(N/32), K/32] of a 2-D q [N, K] (weights, ``quant_fp8_block``)
+    -> (q' e4m3 [..., K], scale' [..., K/group] or [ceil(N/32), K/group]).
     """
     op = "align_fp8_groups"
     if q.dtype != FP8:
@@ -273,15 +274,25 @@ def align_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> 
     else:
         raise TypeError(f"{op}: scale must be e8m0, uint8 exponent bytes or fp32, got {scale.dtype}")
     eg = e.unflatten(-1, (K // group, group // BLOCK))
-    emax = eg.amax(-1, keepdim=True)
-    shift = (eg - emax).flatten(-2)                 # <= 0 per 32-wide block
+    emax = eg.amax(-1)
+    shift = (eg - emax[..., None]).flatten(-2)      # <= 0 per 32-wide block
     if rep > 1:
         shift = shift.repeat_interleave(rep, 0)[:q.shape[0]]
     qa = torch.ldexp(_blocks(q.float(), BLOCK, op), shift[..., None].float()).flatten(-2).to(FP8)
-    emax = emax.expand_as(eg).flatten(-2)
     if scale.dtype == torch.float32:
-        return qa, torch.ldexp(torch.ones_like(scale), emax)
+        return qa, torch.ldexp(torch.ones_like(emax, dtype=torch.float32), emax)
     return qa, (emax + 127).to(torch.uint8).view(scale.dtype)
+
+
+def expand_group_scales(scale: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """One scale per ``group`` columns [..., K/group] (``align_fp8_groups``) -> the same in each of the group's
+    32-wide slots [..., K/32]: SPEC §10.3's layout, for any fp8 consumer (the torch reference, dequantisers)."""
+    if isinstance(group, bool) or not isinstance(group, numbers.Integral) or group <= 0 or group % BLOCK:
+        raise ValueError(f"expand_group_scales: group must be a positive multiple of {BLOCK}, got {group!r}")
+    if scale.dim() == 0:
+        raise ValueError("expand_group_scales: scale must be [..., K/group], got a 0-d tensor")
+    b = scale.view(torch.uint8) if scale.dtype == E8M0 else scale
+    return b.repeat_interleave(group // BLOCK, -1).view(scale.dtype)
 
 
 # ----------------------------------------------------------------------------- activations (SPEC §10.1-10.2)

@@ -66,7 +66,7 @@ GEMM128_CFGS = [dict(kernel="halves", group=128), dict(kernel="halves", group=12
                 dict(kernel="halves", group=128, consumers=3, BN=128),
                 dict(kernel="halves", group=128, one_tmp=True, BN=256), dict(kernel="halves", group=128, one_tmp=True,
                                                                             BN=256, stages=2),
-                dict(kernel="halves", group=128, one_tmp=True),
+                dict(kernel="halves", group=128, one_tmp=True, BN=192),
                 dict(kernel="halves", one_tmp=True, BN=256), dict(kernel="halves", one_tmp=True, BN=256, stages=2)]
 
 
@@ -86,7 +86,7 @@ def gemm_group128(results, args):
         b2, b2_s = Q.align_fp8_groups(b, b_s, 128)
         fl, by = 2 * M * N * K, M * K + N * K + M * N * 2 + M * K // 32
         sa, sb = fg._scales(a_s), fg._col_scales(b_s, N)
-        sa2, sb2 = fg._scales(a2_s), fg._col_scales(b2_s, N)
+        sa2, sb2 = fg._scales(Q.expand_group_scales(a2_s)), fg._col_scales(Q.expand_group_scales(b2_s), N)
         ref = reference.fp8_gemm(a, a_s, b, b_s)
         variants = []
         for cfg in [fg.default_config(M, N, K), *GEMM128_CFGS]:
@@ -96,6 +96,7 @@ def gemm_group128(results, args):
             out, r = k(*ops).float(), ref.float()
             cd = float(1 - 2 * (out * r).sum() / (out.square().sum() + r.square().sum()))
             name = json.dumps(cfg, separators=(",", ":"))
+            name += " (fp8_gemm's group=128 pick)" if cfg == fg.group_config(M, N) else ""
             variants.append((name, lambda k=k, ops=ops: k(*ops), fl, by, lambda ms, cd=cd: f"cosine diff {cd:.1e}"))
         bt, sa_r, sb_r = b.t(), torch.rand(M, 1, device="cuda") + 0.5, torch.rand(1, N, device="cuda") + 0.5
         variants.append(("torch._scaled_mm rowwise", lambda: torch._scaled_mm(a, bt, sa_r, sb_r,
@@ -108,8 +109,14 @@ def gemm_group128(results, args):
             xb, 128)), None, 3 * M * K))
         results.append(row("align_fp8_groups(a) (torch, separate pass)", bench(lambda: Q.align_fp8_groups(a, a_s)),
                            None, 2 * M * K + M * K // 16))
-        results.append(row("fp8_gemm(group=128) wrapper (scale checks incl.)",
-                           bench(lambda: fg.fp8_gemm(a2, a2_s, b2, b2_s, kernel="halves", group=128)), fl, by))
+        results.append(row("fp8_gemm(group=128) (scale expansion incl.)",
+                           bench(lambda: fg.fp8_gemm(a2, a2_s, b2, b2_s, group=128)), fl, by))
+        results.append(row("fp8_gemm default (scale conversion incl.)", bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)),
+                           fl, by))
+        results.append(row("a linear: act_quant + fp8_gemm default", bench(
+            lambda: fg.fp8_gemm(*act_quant_tl.act_quant(xb), b, b_s)), fl, by))
+        results.append(row("a linear: act_quant_grouped + fp8_gemm(group=128)", bench(
+            lambda: fg.fp8_gemm(*act_quant_tl.act_quant_grouped(xb), b2, b2_s, group=128)), fl, by))
 
 
 def gemm_diag(results, args):

@@ -84,28 +84,30 @@ def _check_gemm_dtypes(p: list, a, a_s, b, b_s, b_dtypes: tuple, b_what: str) ->
 
 
 def check_fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-                   block_size: int = 32) -> None:
+                   block_size: int = 32, group: int | None = None) -> None:
     """fp8_gemm's operands (every implementation checks them before it runs): a e4m3 [..., K], a_s [...,
-    K/bs], b e4m3 [N, K], b_s [ceil(N/bs), K/bs], scales e8m0 or fp32, K >= 1. A scale of another shape would
-    broadcast into a wrong product."""
+    K/group], b e4m3 [N, K], b_s [ceil(N/bs), K/group] (group: the scales' K width, by default block_size),
+    scales e8m0 or fp32, K >= 1. A scale of another shape would broadcast into a wrong product."""
     p = []
     bad_bs = _check_int("block_size", block_size)
+    if not bad_bs and group is not None and group != block_size and (block_size != 32 or group != 128):
+        bad_bs = f"group must be 32 (SPEC §10.3's blocks) or 128 (quant.align_fp8_groups's), got {group!r}"
     if bad_bs or a.dim() == 0:
         _shape_error("fp8_gemm", [bad_bs or "a must be [..., K], got a 0-d tensor"])
+    gk = group or block_size                        # the scales' K width
     _check_gemm_dtypes(p, a, a_s, b, b_s, (quant.FP8,), "e4m3 (float8_e4m3fn) [N, K]")
     K, N = a.shape[-1], b.shape[0] if b.dim() else 0
     if b.dim() != 2 or b.shape[-1] != K:
         p.append(f"b must be [N, K={K}] like a's last dim, got {list(b.shape)}")
     elif K == 0:
         p.append(f"K=0: a [..., K] and b [N, K] need K >= 1 (a multiple of block_size {block_size})")
-    elif K % block_size:
-        p.append(f"K={K} is not a multiple of the block size {block_size}")
-    elif tuple(a_s.shape) != (*a.shape[:-1], K // block_size):
-        p.append(f"a_s must be {[*a.shape[:-1], K // block_size]} (one scale per {block_size} of a's K), "
-                 f"got {list(a_s.shape)}")
-    elif tuple(b_s.shape) != (-(-N // block_size), K // block_size):
-        p.append(f"b_s must be [{-(-N // block_size)}, {K // block_size}] (one scale per {block_size} x "
-                 f"{block_size} block of b [{N}, {K}]), got {list(b_s.shape)}")
+    elif K % gk:
+        p.append(f"K={K} is not a multiple of the {'block size' if gk == block_size else 'group'} {gk}")
+    elif tuple(a_s.shape) != (*a.shape[:-1], K // gk):
+        p.append(f"a_s must be {[*a.shape[:-1], K // gk]} (one scale per {gk} of a's K), got {list(a_s.shape)}")
+    elif tuple(b_s.shape) != (-(-N // block_size), K // gk):
+        p.append(f"b_s must be [{-(-N // block_size)}, {K // gk}] (one scale per {block_size} x {gk} block of b "
+                 f"[{N}, {K}]), got {list(b_s.shape)}")
     _shape_error("fp8_gemm", p)
 
 
@@ -136,14 +138,21 @@ def check_fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: tor
 
 
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-             scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16) -> torch.Tensor:
+             scale_dtype=quant.E8M0, block_size: int = 32, out_dtype=torch.bfloat16,
+             group: int | None = None) -> torch.Tensor:
     """C = A @ B^T with block scales (SPEC §10.3).
 
     a e4m3 [..., K] with a_s [..., K/bs]; b e4m3 [N, K] with b_s [ceil(N/bs), K/bs]; scales e8m0 or fp32 values
     (uint8 e8m0 bytes are refused: view them as e8m0). fp32 accumulation of the scaled K-block partial products,
     in K order. Operands of another dtype or shape: ValueError (``check_fp8_gemm``).
+    ``group`` (default: block_size): the scales' K width. ``group=128`` (block_size 32): one scale per 128
+    columns, a_s [..., K/128] and b_s [ceil(N/32), K/128], the operands ``quant.align_fp8_groups`` writes; here
+    expanded to the 32-wide blocks and summed as above (the TileLang kernel sums each group's 128 products in the
+    tensor core first, in its narrower fixed-point accumulator: within 2^-7 of |A| |B|^T, test_gpu_gemm.py).
     """
-    check_fp8_gemm(a, a_s, b, b_s, block_size)
+    check_fp8_gemm(a, a_s, b, b_s, block_size, group)
+    if group is not None and group != block_size:
+        a_s, b_s = quant.expand_group_scales(a_s, group), quant.expand_group_scales(b_s, group)
     N = b.shape[0]
     bs = _scales_to_float(b_s).repeat_interleave(block_size, 0)[:N]
     return _block_scaled_gemm(a.float(), _scales_to_float(a_s), b.float(), bs, block_size, out_dtype)

@@ -209,16 +209,16 @@ def gemm():
     for shape in [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120), (4096, 5120, 2304)]:
         for cfg in t.FP8_SAME_AS_PINGPONG:
             fp8(*shape, **cfg)
-    for shape in [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120)]:   # group=128 (aligned operands)
+    for M, N, K in [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120)]:   # group=128 (aligned operands)
         for cfg in t.FP8_GROUP128:
-            kc = dict(cfg)
-            fg.kernel_factory(kc.pop("kernel"))(shape[1], shape[2], **kc)
+            kc = dict(cfg or fg.group_config(M, N))
+            fg.kernel_factory(kc.pop("kernel"))(N, K, group=128, **{k: v for k, v in kc.items() if k != "group"})
     from functional_dsv41.kernels.tilelang import act_quant_tl
     for K in (128, 256, 2304, 5120):                    # act_quant_grouped: its GPU test and the gemm128 section
         act_quant_tl.act_quant_grouped(torch.randn(3, K).bfloat16(), 128)
         act_quant_tl.act_quant(torch.randn(3, K).bfloat16())
     for N, K in [(5120, 5120), (2304, 5120), (5120, 2304)]:   # the bench's "gemm128" section
-        for cfg in bg.GEMM128_CFGS:
+        for cfg in [*bg.GEMM128_CFGS, fg.group_config(4096, N)]:
             kc = dict(cfg)
             fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
     for cfg in bg.GEMM_PROBE_CFGS:                      # the bench's gemmprobe rows (kernels launched directly)

@@ -470,3 +470,29 @@ def test_hc_pre_post_refuse_mismatched_shapes_naming_them():
         K.hc_pre(h, pre[:, :3])
     with pytest.raises(ValueError, match=r"hc_post: y must be \[2, 8\] .*; comb must be \[2, 4, 4\], got \[2, 4\]"):
         K.hc_post(torch.zeros(2, 7), h, pre, pre)
+
+
+def test_fp8_gemm_group128_scales():
+    """group=128 (quant.align_fp8_groups's operands: one scale per 128 columns) is SPEC §10.3 on the scales
+    expanded to the 32-wide blocks, and within fp8 rounding of the release's own operands; its scale shapes are
+    checked like the 32-wide ones."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, 512, generator=g) * torch.exp2(torch.randint(-4, 5, (2, 24, 16), generator=g)
+                                                           .float()).repeat_interleave(32, -1)
+    a, a_s = Q.act_quant(x.bfloat16())
+    b, b_s = Q.quant_fp8_block(torch.randn(80, 512, generator=g) * 0.02)
+    a2, a2_s = Q.align_fp8_groups(a, a_s)
+    b2, b2_s = Q.align_fp8_groups(b, b_s)
+    c = K.fp8_gemm(a2, a2_s, b2, b2_s, group=128, impl="torch")
+    want = K.fp8_gemm(a2, Q.expand_group_scales(a2_s), b2, Q.expand_group_scales(b2_s), impl="torch")
+    assert c.shape == (2, 24, 80) and torch.equal(c, want)
+    from conftest import cosine_diff
+    assert cosine_diff(c, K.fp8_gemm(a, a_s, b, b_s, impl="torch")) < 1e-6
+    with pytest.raises(ValueError, match=r"a_s must be \[2, 24, 4\] \(one scale per 128"):
+        K.fp8_gemm(a, a_s, b2, b2_s, group=128, impl="torch")
+    with pytest.raises(ValueError, match=r"b_s must be \[3, 4\] \(one scale per 32 x 128 block"):
+        K.fp8_gemm(a2, a2_s, b, b_s, group=128, impl="torch")
+    with pytest.raises(ValueError, match="group must be 32 .* or 128"):
+        K.fp8_gemm(a2, a2_s, b2, b2_s, group=64, impl="torch")
+    with pytest.raises(ValueError, match="K=96 is not a multiple of the group 128"):
+        K.fp8_gemm(a[..., :96], a_s[..., :3], b[:, :96], b_s[:, :3], group=128, impl="torch")

@@ -246,8 +246,9 @@ def _spread_operands(seed=0, rows=48, K=512, spread=8):
 def _check_aligned(q, s, q2, s2, rep):
     """q2 * s2 == q * s where q * s is representable at the group's scale; else within half e4m3's subnormal
     step (2^-10 * s2); s2 = the group's largest scale in each of its slots."""
+    assert s2.shape[-1] * 4 == s.shape[-1] and s2.shape[:-1] == s.shape[:-1]     # one scale per 128 columns
     f = quant.e8m0_to_float(s).repeat_interleave(rep, 0)[: q.shape[0]]
-    f2 = quant.e8m0_to_float(s2).repeat_interleave(rep, 0)[: q.shape[0]]
+    f2 = quant.e8m0_to_float(quant.expand_group_scales(s2, 128)).repeat_interleave(rep, 0)[: q.shape[0]]
     want = torch.stack([f[:, 4 * i:4 * i + 4].amax(1) for i in range(f.shape[1] // 4)], 1).repeat_interleave(4, 1)
     assert torch.equal(f2, want)
     v, v2 = q.double() * f.double().repeat_interleave(32, 1), q2.double() * f2.double().repeat_interleave(32, 1)
@@ -262,12 +263,12 @@ def _check_aligned(q, s, q2, s2, rep):
 def test_align_fp8_groups_per_row_blocks():
     q, s = _spread_operands()
     q2, s2 = quant.align_fp8_groups(q, s, 128)
-    assert q2.dtype == quant.FP8 and s2.dtype == quant.E8M0 and q2.shape == q.shape and s2.shape == s.shape
+    assert q2.dtype == quant.FP8 and s2.dtype == quant.E8M0 and q2.shape == q.shape
     rounded = _check_aligned(q, s, q2, s2, 1)
     assert 0 < rounded < q.numel() // 4            # both branches occur
-    same = (s2.view(torch.uint8) == s.view(torch.uint8)).repeat_interleave(32, 1)
+    same = (quant.expand_group_scales(s2).view(torch.uint8) == s.view(torch.uint8)).repeat_interleave(32, 1)
     assert torch.equal(q2.view(torch.uint8)[same], q.view(torch.uint8)[same])   # the group's own block: unchanged
-    q3, s3 = quant.align_fp8_groups(q2, s2, 128)    # aligned operands are a fixed point
+    q3, s3 = quant.align_fp8_groups(q2, quant.expand_group_scales(s2), 128)   # aligned operands: a fixed point
     assert torch.equal(q3.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s3.view(torch.uint8),
                                                                                     s2.view(torch.uint8))
     qf, sf = quant.align_fp8_groups(q, quant.e8m0_to_float(s), 128)        # fp32 scales: the same operands
@@ -281,13 +282,16 @@ def test_align_fp8_groups_weight_blocks_and_leading_dims():
     w = torch.randn(70, 256, generator=g) * blk.repeat_interleave(32, 0)[:70].repeat_interleave(32, 1)
     q, s = quant.quant_fp8_block(w)                # [70, 256] with [3, 8] 32 x 32 block scales
     q2, s2 = quant.align_fp8_groups(q, s)
-    assert s2.shape == (3, 8)
+    assert s2.shape == (3, 2)
     _check_aligned(q, s, q2, s2, 32)
     qa, sa = _spread_operands(seed=2, rows=12)
     q3, s3 = quant.align_fp8_groups(qa.view(3, 4, 512), sa.view(3, 4, 16))
     ref_q, ref_s = quant.align_fp8_groups(qa, sa)
     assert torch.equal(q3.reshape(12, 512).view(torch.uint8), ref_q.view(torch.uint8))
-    assert torch.equal(s3.reshape(12, 16).view(torch.uint8), ref_s.view(torch.uint8))
+    assert torch.equal(s3.reshape(12, 4).view(torch.uint8), ref_s.view(torch.uint8))
+    e = quant.expand_group_scales(ref_s, 128)
+    assert e.dtype == quant.E8M0 and e.shape == (12, 16)
+    assert torch.equal(e.view(torch.uint8)[:, 4:8], ref_s.view(torch.uint8)[:, 1:2].expand(12, 4))
 
 
 def test_align_fp8_groups_refusals():
@@ -306,3 +310,5 @@ def test_align_fp8_groups_refusals():
         quant.align_fp8_groups(q, quant.e8m0_to_float(s) * 1.5)
     with pytest.raises(TypeError, match="scale must be e8m0"):
         quant.align_fp8_groups(q, quant.e8m0_to_float(s).bfloat16())
+    with pytest.raises(ValueError, match="group must be a positive multiple of 32"):
+        quant.expand_group_scales(s, 100)

@@ -53,8 +53,8 @@ def act_quant_kernel(G: int, bs: int = 32, BR: int = 16, GB: int = 16, threads: 
 
 @functools.lru_cache(maxsize=None)
 def act_quant_grouped_kernel(G: int, group: int = 128, BR: int = 16, GB: int = 4, threads: int = 128):
-    """x viewed [R, G * NB, 32] (NB = group / 32 blocks a group) -> q [R, G * NB, 32] e4m3 and s [R, G * NB]
-    (e8m0 bytes, equal within each group): ``quant.align_fp8_groups(act_quant(x), group)`` in one pass. Each
+    """x viewed [R, G * NB, 32] (NB = group / 32 blocks a group) -> q [R, G * NB, 32] e4m3 and s [R, G] (e8m0
+    bytes, one per group): ``quant.align_fp8_groups(act_quant(x), group)`` in one pass. Each
     32-wide block is quantised at its own scale 2^e as act_quant does, then re-expressed at the group's largest,
     2^emax: ``q' = e4m3_RNE(e4m3_RNE(x * 2^-e) * 2^(e - emax))`` (the second rounding is exact unless the value
     falls below e4m3's normals)."""
@@ -71,7 +71,7 @@ def act_quant_grouped_kernel(G: int, group: int = 128, BR: int = 16, GB: int = 4
     def act_quant_grouped(
         X: T.Tensor([R, G * NB, 32], BF16),
         Q: T.Tensor([R, G * NB, 32], FP8),
-        S: T.Tensor([R, G * NB], "uint8"),
+        S: T.Tensor([R, G], "uint8"),
     ):
         with T.Kernel(T.ceildiv(R, BR), G // GB, threads=threads) as (bx, by):
             x = T.alloc_fragment([BR, GB * NB, 32], F32)
@@ -91,23 +91,23 @@ def act_quant_grouped_kernel(G: int, group: int = 128, BR: int = 16, GB: int = 4
                 x[i, b, k] = T.Cast(F32, q1) * T.reinterpret(     # 2^(e - emax), or 0 below 2^-126 (where every
                     T.max(127 + e_s[i, b] - emax_s[i, b // NB], 0) << 23, F32)   # e4m3 value rounds to 0 anyway)
             T.copy(x, Q[bx * BR:(bx + 1) * BR, by * GB * NB:(by + 1) * GB * NB, :])
-            for i, b in T.Parallel(BR, GB * NB):
+            for i, g in T.Parallel(BR, GB):
                 if bx * BR + i < R:
-                    S[bx * BR + i, by * GB * NB + b] = T.Cast("uint8", emax_s[i, b // NB] + 127)
+                    S[bx * BR + i, by * GB + g] = T.Cast("uint8", emax_s[i, g] + 127)
 
     return compile_kernel(act_quant_grouped, out_idx=[1, 2])
 
 
 def act_quant_grouped(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 x [..., K] -> (e4m3 [..., K], e8m0 [..., K/32]) equal to ``quant.align_fp8_groups(quant.act_quant(x,
-    32, "ue8m0", e8m0), group)`` bit for bit, in one kernel: the operands of ``fp8_gemm(..., kernel="halves",
+    """bf16 x [..., K] -> (e4m3 [..., K], e8m0 [..., K/128]) equal to ``quant.align_fp8_groups(quant.act_quant(x,
+    32, "ue8m0", e8m0), group)`` bit for bit, in one kernel: the activation operands of ``fp8_gemm(...,
     group=128)``."""
     quant._check_blocks("act_quant_grouped", x, group)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"act_quant_grouped expects bf16 input, got {x.dtype}")
     K = x.shape[-1]
     q, s = act_quant_grouped_kernel(K // group, group)(x.reshape(-1, K // 32, 32).contiguous())
-    return q.reshape(x.shape), s.reshape(*x.shape[:-1], K // 32).view(quant.E8M0)
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], K // group).view(quant.E8M0)
 
 
 def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = "ue8m0",
