@@ -5,7 +5,8 @@
 
 - fp8 e4m3 + e8m0 32x32 scale, or fp4 e2m1 (packed) + e8m0 1x32 scale:
   - ``mode="reference"``: activations quantised per 1x32 to fp8 (``act_quant``), block-scaled GEMM
-    (``fp8_gemm`` / ``fp4_gemm``), exactly as the release runs; bf16 out.
+    (``fp8_gemm`` / ``fp4_gemm``), exactly as the release runs; bf16 out. An fp8 weight with 32x128 scales
+    (``align_fp8_weights``, opt-in) runs both at one scale per 128 columns (``fp8_gemm(..., group=128)``).
   - ``mode="dequant"``: weight dequantised to x's dtype, plain matmul (differentiable w.r.t. x; ``"reference"``
     is not, and refuses an x that requires grad).
 - bf16/fp32 weights: ``F.linear(x, W)`` in x's dtype (the reference's default Linear); the caller
@@ -43,11 +44,52 @@ def is_quantized(w: torch.Tensor) -> bool:
     return w.dtype in (quant.FP8, quant.FP4X2)
 
 
+def fp8_scale_group(w: torch.Tensor, scale: torch.Tensor) -> int:
+    """The K width of an fp8 weight's scales: 32 (the release's 32 x 32 blocks, [ceil(N/32), ceil(K/32)]) or 128
+    (``align_fp8_weights``'s 32 x 128 blocks, [ceil(N/32), K/128]); any other scale shape is refused."""
+    N, K = w.shape
+    if tuple(scale.shape) == (-(-N // 32), -(-K // 32)):
+        return 32
+    if K % 128 == 0 and tuple(scale.shape) == (-(-N // 32), K // 128):
+        return 128
+    raise ValueError(f"linear: an fp8 weight {list(w.shape)} needs a scale [{-(-N // 32)}, {-(-K // 32)}] (32 x 32 "
+                     f"blocks) or [{-(-N // 32)}, {K // 128}] (align_fp8_weights), got {list(scale.shape)}")
+
+
+def align_fp8_weights(params, group: int = 128):
+    """The tree with every fp8 weight whose K is a multiple of ``group`` re-expressed at one scale per 32 x 128
+    block (``quant.align_fp8_groups``; its scale [ceil(N/32), K/128]); fp4 experts, float weights and weights
+    already aligned are kept as they are (shared, not copied). Under ``mode="reference"`` ``linear`` then
+    quantises their activations the same way and runs ``fp8_gemm(..., group=128)``: on Hopper a quarter of the
+    fp32 promotions of SPEC §10.3's order (BENCHMARKS.md, runs 164-165: 1062 against 653 TFLOP/s at 4096 x 5120 x
+    5120), not its summation order (cosine diff ~2e-7 of the output). A load-time transform for inference: the
+    checkpoint format (``save_params``) stays the release's 32 x 32 blocks."""
+    if group != 128:
+        raise ValueError(f"align_fp8_weights: group must be 128 (the fp8 GEMM's), got {group!r}")
+
+    def walk(node):
+        if isinstance(node, dict):
+            w, s = node.get("weight"), node.get("scale")
+            if (isinstance(w, torch.Tensor) and w.dtype == quant.FP8 and w.dim() == 2 and isinstance(s, torch.Tensor)
+                    and w.shape[1] % group == 0 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32)):
+                # (a 32 x 32-block weight; Engram's fp8 rows [R, D/32] are looked up, not multiplied: kept)
+                q, sg = quant.align_fp8_groups(w, s, group)
+                return {**node, "weight": q, "scale": sg}
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+    return walk(params)
+
+
 def dequantize(p: dict, dtype=torch.bfloat16) -> torch.Tensor:
     """The weight of subtree ``p`` as a plain ``dtype`` matrix."""
     w = p["weight"]
     if w.dtype == quant.FP8:
-        return quant.dequant_fp8_block(w, p["scale"], dtype)
+        s = p["scale"]
+        if fp8_scale_group(w, s) != 32:
+            s = quant.expand_group_scales(s, 128)
+        return quant.dequant_fp8_block(w, s, dtype)
     if w.dtype == quant.FP4X2:
         return quant.dequant_fp4(w, p["scale"], dtype)
     return w.to(dtype)
@@ -108,9 +150,13 @@ def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | Non
                 raise ValueError("linear: mode='reference' (fp8 activations, block-scaled GEMM) has no gradient "
                                  "with respect to its input; differentiate with mode='dequant' (or 'qat': "
                                  "forward(..., mode='dequant'))")
-            xq, xs = kernels.act_quant(x.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
-            gemm = kernels.fp8_gemm if w.dtype == quant.FP8 else kernels.fp4_gemm
-            y = gemm(xq, xs, w, p["scale"], quant.E8M0, 32, impl=impl)
+            if w.dtype == quant.FP8 and fp8_scale_group(w, p["scale"]) == 128:     # align_fp8_weights's layout
+                xq, xs = kernels.act_quant(x.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, 128, impl=impl)
+                y = kernels.fp8_gemm(xq, xs, w, p["scale"], quant.E8M0, 32, group=128, impl=impl)
+            else:
+                xq, xs = kernels.act_quant(x.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, impl=impl)
+                gemm = kernels.fp8_gemm if w.dtype == quant.FP8 else kernels.fp4_gemm
+                y = gemm(xq, xs, w, p["scale"], quant.E8M0, 32, impl=impl)
         else:  # dequant (qat on already-quantized storage is the same thing)
             y = F.linear(x, dequantize(p, x.dtype))
     else:

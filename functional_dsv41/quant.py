@@ -297,7 +297,7 @@ def expand_group_scales(scale: torch.Tensor, group: int = 128) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- activations (SPEC §10.1-10.2)
 def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = "ue8m0",
-              scale_dtype: torch.dtype = E8M0, *, _allow_float: bool = False):
+              scale_dtype: torch.dtype = E8M0, group: int | None = None, *, _allow_float: bool = False):
     """Per-row 1 x block_size fp8 quantization: returns (q e4m3 [..., N], s [..., N/bs]).
 
     ``amax = max(|x|, 1e-4)``; ue8m0: ``s = 2^ceil(log2(amax/448))``, else ``s = amax/448``;
@@ -313,6 +313,9 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
     scale inf); the block's finite elements quantise to 0 and the bad one to NaN, so the dequantised block is all
     NaN; other blocks are unaffected. This is outside the tested contract of the TileLang kernel, which differs: it
     leaves NaN out of the block max, and for an inf writes byte 255 with finite elements as +-448.
+
+    ``group`` (not the release's call): the result re-expressed at one scale per ``group`` columns,
+    ``align_fp8_groups(q, s, group)`` (s [..., N/group]): the activation operands of ``fp8_gemm(..., group=128)``.
     """
     op = "act_quant"
     if x.dtype != torch.bfloat16 and not _allow_float:
@@ -329,9 +332,13 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
     else:
         s = amax / FP8_MAX
     q = (blk / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)
-    if scale_dtype == E8M0:
-        return q, _pow2_e8m0(s)
-    return q, s.to(scale_dtype)
+    s = _pow2_e8m0(s) if scale_dtype == E8M0 else s.to(scale_dtype)
+    if group is not None and group != block_size:
+        if block_size != BLOCK or scale_fmt is None:
+            raise ValueError(f"act_quant: group={group} re-expresses 32-wide blocks with power-of-two scales: "
+                             f"block_size 32 and scale_fmt='ue8m0' only, got {block_size}, {scale_fmt!r}")
+        return align_fp8_groups(q, s, group)
+    return q, s
 
 
 def act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:

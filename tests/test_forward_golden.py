@@ -144,3 +144,41 @@ def test_decode_steps_match_golden(name):
                     n_win = cfg.window_size + 1          # our window block: ring (W rows) + this token
                     ours = torch.where(ours >= 0, ours - n_win + cfg.window_size, -1)
                     assert torch.equal(ours.int().sort(-1).values, g[f"decode.0.layer.{L}.topk_idxs"].sort(-1).values)
+
+
+def test_aligned_fp8_weights_teacher_forced():
+    """linear.align_fp8_weights (the fp8 GEMM's one scale per 32 x 128 block, opt-in): every dense fp8 weight of
+    tiny-fp8 with K % 128 == 0 re-expressed (scales [ceil(N/32), K/128]), and each block, teacher-forced, within
+    DESIGN's fp8 bound of the golden tensors and of the unaligned model (torch: activations aligned the same way,
+    the scales expanded to SPEC §10.3's order)."""
+    from functional_dsv41.linear import align_fp8_weights
+    from functional_dsv41.pytree import flatten_with_paths
+    cfg, params, g = load_fixture("tiny-fp8")
+    aligned = align_fp8_weights(params)
+    before, after = flatten_with_paths(params), flatten_with_paths(aligned)
+    moved = [k for k in before if k.endswith(".scale") and before[k].shape != after[k].shape]
+    dense = [k for k, w in before.items() if k.endswith(".weight") and w.dtype == torch.float8_e4m3fn
+             and k[:-len("weight")] + "scale" in before and w.shape[1] % 128 == 0
+             and before[k[:-len("weight")] + "scale"].shape == (-(-w.shape[0] // 32), w.shape[1] // 32)]
+    assert moved and len(moved) == len(dense), (len(moved), len(dense))
+    for k in moved:
+        w = k[:-len("scale")] + "weight"
+        assert after[k].shape == (before[k].shape[0], before[k].shape[1] // 4)
+        assert torch.equal(_dequant_at(before, w), _dequant_at(after, w)) or \
+            cosine_diff(_dequant_at(before, w), _dequant_at(after, w)) < 1e-9, w
+    P = int(g["prefill_len"])
+    ids = g["input_ids"][:, :P]
+    chunk = make_chunk({"input_ids": ids}, 0, ids.device)
+    sh, sh2 = SharedAttention(), SharedAttention()
+    for L in cfg.layer_ids:
+        h, pre = block_input(g, cfg, L)
+        h1, _, _, sh = block(params["layers"][L], h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=None, shared=sh)
+        h2, pre2, _, sh2 = block(aligned["layers"][L], h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=None,
+                                 shared=sh2)
+        assert cosine_diff(h2, g[f"prefill.layer.{L}.h"]) < cos_tol(cfg), L
+        assert cosine_diff(h2, h1) < 1e-4, (L, cosine_diff(h2, h1))
+
+
+def _dequant_at(flat: dict, w: str) -> torch.Tensor:
+    from functional_dsv41.linear import dequantize
+    return dequantize({"weight": flat[w], "scale": flat[w[:-len("weight")] + "scale"]}, torch.float32)

@@ -33,10 +33,23 @@ def _setup(name):
     return cfg, optree.tree_map(lambda x: x.cuda(), fd.load_params(d, cfg)), golden(name)
 
 
-@pytest.mark.parametrize("impl", ["torch", "auto"])
-@pytest.mark.parametrize("name", ["tiny-bf16", "tiny-fp8"])
-def test_teacher_forced_blocks_on_gpu(name, impl):
+# (name, impl, aligned): aligned = the dense fp8 weights through linear.align_fp8_weights, so their linears run
+# act_quant(..., group=128) and fp8_gemm(..., group=128) (the halves kernel promoting once per 128 columns)
+TEACHER_FORCED = [("tiny-bf16", "torch", False), ("tiny-bf16", "auto", False), ("tiny-fp8", "torch", False),
+                  ("tiny-fp8", "auto", False), ("tiny-fp8", "auto", True)]
+
+
+@pytest.mark.parametrize("name,impl,aligned", TEACHER_FORCED,
+                         ids=[f"{n}-{i}{'-aligned' if a else ''}" for n, i, a in TEACHER_FORCED])
+def test_teacher_forced_blocks_on_gpu(name, impl, aligned, monkeypatch):
     cfg, params, g = _setup(name)
+    groups = []
+    if aligned:
+        from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+        from functional_dsv41.linear import align_fp8_weights
+        params = align_fp8_weights(params)
+        real = fg.group_config
+        monkeypatch.setattr(fg, "group_config", lambda *a, **k: groups.append(a) or real(*a, **k))
     tol = 1e-4 if cfg.dtype == "bf16" else 1e-3
     P = int(g["prefill_len"])
     ids = g["input_ids"][:, :P].cuda()
@@ -57,8 +70,10 @@ def test_teacher_forced_blocks_on_gpu(name, impl):
             worst = max(worst, c, c_pre)
             assert same_idx, report
             assert exp_rows.sum() <= exp_rows.numel() // 10, report
-    print(f"{name} impl={impl} teacher-forced: " + "; ".join(report) + f"; ops called {called}, on TileLang {ran}")
+    print(f"{name} impl={impl} aligned={aligned} teacher-forced: " + "; ".join(report) + f"; ops called {called}, "
+          f"on TileLang {ran}; group=128 GEMMs {len(groups)}")
     assert worst < tol, report
+    assert bool(groups) == aligned, len(groups)     # aligned weights ran the group=128 fp8 GEMM, others never
     if impl == "torch":
         assert not ran, ran
     else:       # every op TileLang implements ran there, but the attention: 4 heads, its tiles need multiples of 16

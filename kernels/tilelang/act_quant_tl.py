@@ -111,12 +111,17 @@ def act_quant_grouped(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, 
 
 
 def act_quant(x: torch.Tensor, block_size: int = 32, scale_fmt: str | None = "ue8m0",
-              scale_dtype: torch.dtype = quant.E8M0):
-    """Same contract as ``quant.act_quant`` for the release's call (bf16, ue8m0, e8m0 or fp32 scales);
-    other configurations go to the torch implementation."""
+              scale_dtype: torch.dtype = quant.E8M0, group: int | None = None):
+    """Same contract as ``quant.act_quant`` for the release's call (bf16, ue8m0, e8m0 or fp32 scales), and with
+    ``group=128`` (``act_quant_grouped``); other configurations go to the torch implementation."""
     quant._check_blocks("act_quant", x, block_size)
     if x.dtype != torch.bfloat16 or scale_fmt is None or scale_dtype not in (quant.E8M0, torch.float32):
-        return quant.act_quant(x, block_size, scale_fmt, scale_dtype)
+        return quant.act_quant(x, block_size, scale_fmt, scale_dtype, group)
+    if group is not None and group != block_size:
+        if block_size != 32 or group != 128 or x.shape[-1] % 128:
+            return quant.act_quant(x, block_size, scale_fmt, scale_dtype, group)   # its errors, or torch's result
+        q, s = act_quant_grouped(x, group)
+        return q, (quant.e8m0_to_float(s) if scale_dtype == torch.float32 else s)
     N = x.shape[-1]
     G = N // block_size
     x3 = x.reshape(-1, G, block_size).contiguous()
