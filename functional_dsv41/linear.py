@@ -47,23 +47,28 @@ def is_quantized(w: torch.Tensor) -> bool:
 def fp8_scale_group(w: torch.Tensor, scale: torch.Tensor) -> int:
     """The K width of an fp8 weight's scales: 32 (the release's 32 x 32 blocks, [ceil(N/32), ceil(K/32)]) or 128
     (``align_fp8_weights``'s 32 x 128 blocks, [ceil(N/32), K/128]); any other scale shape is refused."""
+    if w.dim() != 2:
+        raise ValueError(f"fp8 weight: must be 2-D [N, K], got {list(w.shape)}")
     N, K = w.shape
     if tuple(scale.shape) == (-(-N // 32), -(-K // 32)):
         return 32
     if K % 128 == 0 and tuple(scale.shape) == (-(-N // 32), K // 128):
         return 128
-    raise ValueError(f"linear: an fp8 weight {list(w.shape)} needs a scale [{-(-N // 32)}, {-(-K // 32)}] (32 x 32 "
-                     f"blocks) or [{-(-N // 32)}, {K // 128}] (align_fp8_weights), got {list(scale.shape)}")
+    also = f" or [{-(-N // 32)}, {K // 128}] (align_fp8_weights's 32 x 128)" if K % 128 == 0 else ""
+    raise ValueError(f"fp8 weight {list(w.shape)}: its scale must be [{-(-N // 32)}, {-(-K // 32)}] (32 x 32 "
+                     f"blocks){also}, got {list(scale.shape)}")
 
 
 def align_fp8_weights(params, group: int = 128):
     """The tree with every fp8 weight whose K is a multiple of ``group`` re-expressed at one scale per 32 x 128
     block (``quant.align_fp8_groups``; its scale [ceil(N/32), K/128]); fp4 experts, float weights and weights
     already aligned are kept as they are (shared, not copied). Under ``mode="reference"`` ``linear`` then
-    quantises their activations the same way and runs ``fp8_gemm(..., group=128)``: on Hopper a quarter of the
-    fp32 promotions of SPEC §10.3's order (BENCHMARKS.md, runs 164-165: 1062 against 653 TFLOP/s at 4096 x 5120 x
-    5120), not its summation order (cosine diff ~2e-7 of the output). A load-time transform for inference: the
-    checkpoint format (``save_params``) stays the release's 32 x 32 blocks."""
+    quantises their activations the same way and runs ``fp8_gemm(..., group=128)``: on Hopper under TileLang a
+    quarter of the fp32 promotions of SPEC §10.3's order (BENCHMARKS.md, runs 164-165: 1062 against 653 TFLOP/s
+    at 4096 x 5120 x 5120), not its summation order (cosine diff ~2e-7 of the output there); the torch path
+    expands the scales and differs from the unaligned model only by the alignment's rounding of values far below
+    their group's largest. A load-time transform for inference: the checkpoint format (``save_params``) stays the
+    release's 32 x 32 blocks."""
     if group != 128:
         raise ValueError(f"align_fp8_weights: group must be 128 (the fp8 GEMM's), got {group!r}")
 
@@ -151,6 +156,9 @@ def linear(x: torch.Tensor, p: dict, *, mode: str = "reference", fake: str | Non
                                  "with respect to its input; differentiate with mode='dequant' (or 'qat': "
                                  "forward(..., mode='dequant'))")
             if w.dtype == quant.FP8 and fp8_scale_group(w, p["scale"]) == 128:     # align_fp8_weights's layout
+                if x.shape[-1] != w.shape[1]:
+                    raise ValueError(f"linear: x [..., {x.shape[-1]}] does not match the fp8 weight "
+                                     f"{list(w.shape)} (K = {w.shape[1]})")
                 xq, xs = kernels.act_quant(x.to(torch.bfloat16), 32, "ue8m0", quant.E8M0, 128, impl=impl)
                 y = kernels.fp8_gemm(xq, xs, w, p["scale"], quant.E8M0, 32, group=128, impl=impl)
             else:

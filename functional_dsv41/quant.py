@@ -316,6 +316,7 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
 
     ``group`` (not the release's call): the result re-expressed at one scale per ``group`` columns,
     ``align_fp8_groups(q, s, group)`` (s [..., N/group]): the activation operands of ``fp8_gemm(..., group=128)``.
+    There a non-finite block's scale (byte 255) is its whole group's, so the group dequantises to inf / NaN.
     """
     op = "act_quant"
     if x.dtype != torch.bfloat16 and not _allow_float:
@@ -332,13 +333,13 @@ def act_quant(x: torch.Tensor, block_size: int = BLOCK, scale_fmt: str | None = 
     else:
         s = amax / FP8_MAX
     q = (blk / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)
-    s = _pow2_e8m0(s) if scale_dtype == E8M0 else s.to(scale_dtype)
     if group is not None and group != block_size:
         if block_size != BLOCK or scale_fmt is None:
             raise ValueError(f"act_quant: group={group} re-expresses 32-wide blocks with power-of-two scales: "
                              f"block_size 32 and scale_fmt='ue8m0' only, got {block_size}, {scale_fmt!r}")
-        return align_fp8_groups(q, s, group)
-    return q, s
+        q, s = align_fp8_groups(q, _pow2_e8m0(s), group)     # exponent bytes: no check, no host sync
+        return q, (s if scale_dtype == E8M0 else e8m0_to_float(s).to(scale_dtype))
+    return q, (_pow2_e8m0(s) if scale_dtype == E8M0 else s.to(scale_dtype))
 
 
 def act_quant_dequant(x: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:

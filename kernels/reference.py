@@ -90,8 +90,11 @@ def check_fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: tor
     scales e8m0 or fp32, K >= 1. A scale of another shape would broadcast into a wrong product."""
     p = []
     bad_bs = _check_int("block_size", block_size)
-    if not bad_bs and group is not None and group != block_size and (block_size != 32 or group != 128):
-        bad_bs = f"group must be 32 (SPEC §10.3's blocks) or 128 (quant.align_fp8_groups's), got {group!r}"
+    if not bad_bs and group is not None and group != block_size:
+        if group != 128:
+            bad_bs = f"group must be 32 (SPEC §10.3's blocks) or 128 (quant.align_fp8_groups's), got {group!r}"
+        elif block_size != 32:
+            bad_bs = f"group=128 re-expresses 32-wide blocks: block_size must be 32, got {block_size}"
     if bad_bs or a.dim() == 0:
         _shape_error("fp8_gemm", [bad_bs or "a must be [..., K], got a 0-d tensor"])
     gk = group or block_size                        # the scales' K width

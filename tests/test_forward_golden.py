@@ -176,7 +176,9 @@ def test_aligned_fp8_weights_teacher_forced():
         h2, pre2, _, sh2 = block(aligned["layers"][L], h, pre, cfg=cfg, layer_id=L, chunk=chunk, cache=None,
                                  shared=sh2)
         assert cosine_diff(h2, g[f"prefill.layer.{L}.h"]) < cos_tol(cfg), L
-        assert cosine_diff(h2, h1) < 1e-4, (L, cosine_diff(h2, h1))
+        # the torch path expands the scales: q' s' == q s wherever the alignment rounded nothing, which in these
+        # blocks is everywhere (of the 49 weights only mtp.0.main_proj changes bytes), so bit for bit
+        assert torch.equal(h2, h1), (L, cosine_diff(h2, h1))
 
 
 def _dequant_at(flat: dict, w: str) -> torch.Tensor:

@@ -470,6 +470,8 @@ def test_fp8_gemm_group128(shape, cfg):
     print(f"group128 {shape} {cfg}: cosine diff {cosine_diff(c, ref):.2e}, max |err| / (2^-8 |C| + |A||B|^T) "
           f"= {worst:.2e}")
     assert bool((err <= 2.0 ** -8 * ref.abs() + 2.0 ** -7 * mag).all()), worst
+    nbad, mx = _close_bf16(c, ref, ulps=2)          # run 164: 5e-4 to 1e-3 of the elements beyond one bf16 ulp; a
+    assert nbad <= c.numel() * 2e-3, (nbad, mx)     # wrong column or row tile would be >= 1/27 of them
     assert cosine_diff(c, ref) < 1e-5
     exact = fg.fp8_gemm(a2, Q.expand_group_scales(a2_s), b2, Q.expand_group_scales(b2_s), kernel="halves")
     assert not torch.equal(c, exact)                # the tensor core's sums of 128 are not four fp32 promotions
@@ -477,15 +479,17 @@ def test_fp8_gemm_group128(shape, cfg):
     assert cosine_diff(c, release) < 1e-5, cosine_diff(c, release)
 
 
+@pytest.mark.parametrize("cfg", [{}, dict(kernel="halves", one_tmp=True)], ids=lambda c: _cfg_id(c) or "default")
 @pytest.mark.parametrize("shape", [(5, 96, 256), (64, 320, 128), (200, 70, 384)], ids=lambda s: "x".join(map(str, s)))
-def test_fp8_gemm_group128_small(shape):
-    """group_config's halves kernel on the tiny models' shapes: one partial row tile, N below one column tile."""
+def test_fp8_gemm_group128_small(shape, cfg):
+    """The tiny models' shapes: by default the one-wave 64-row loop on the expanded scales (decode-sized M), and
+    the group=128 halves kernel asked for by name: one partial row tile, N below one column tile."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
     a, a_s, b, b_s = _fp8_operands(*shape, seed=6)
     a2, a2_s = Q.align_fp8_groups(a, a_s, 128)
     b2, b2_s = Q.align_fp8_groups(b, b_s, 128)
-    c = fg.fp8_gemm(a2, a2_s, b2, b2_s, group=128)
+    c = fg.fp8_gemm(a2, a2_s, b2, b2_s, group=128, **cfg)
     ref = K.fp8_gemm(a2, a2_s, b2, b2_s, group=128, impl="torch").float()
     mag = K.fp8_gemm(_abs8(a2), a2_s, _abs8(b2), b2_s, group=128, impl="torch", out_dtype=torch.float32)
     assert c.shape == ref.shape

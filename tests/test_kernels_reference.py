@@ -484,8 +484,11 @@ def test_fp8_gemm_group128_scales():
     a2, a2_s = Q.align_fp8_groups(a, a_s)
     b2, b2_s = Q.align_fp8_groups(b, b_s)
     c = K.fp8_gemm(a2, a2_s, b2, b2_s, group=128, impl="torch")
-    want = K.fp8_gemm(a2, Q.expand_group_scales(a2_s), b2, Q.expand_group_scales(b2_s), impl="torch")
-    assert c.shape == (2, 24, 80) and torch.equal(c, want)
+    deq_a = a2.double() * Q.e8m0_to_float(a2_s).double().repeat_interleave(128, -1)     # by hand, in fp64
+    deq_b = b2.double() * Q.e8m0_to_float(b2_s).double().repeat_interleave(32, 0)[:80].repeat_interleave(128, 1)
+    want = deq_a @ deq_b.T
+    assert c.shape == (2, 24, 80) and c.dtype == torch.bfloat16
+    assert bool(((c.double() - want).abs() <= 2.0 ** -8 * want.abs() + 1e-6 * want.abs().max()).all())
     from conftest import cosine_diff
     assert cosine_diff(c, K.fp8_gemm(a, a_s, b, b_s, impl="torch")) < 1e-6
     with pytest.raises(ValueError, match=r"a_s must be \[2, 24, 4\] \(one scale per 128"):
@@ -494,5 +497,7 @@ def test_fp8_gemm_group128_scales():
         K.fp8_gemm(a2, a2_s, b, b_s, group=128, impl="torch")
     with pytest.raises(ValueError, match="group must be 32 .* or 128"):
         K.fp8_gemm(a2, a2_s, b2, b2_s, group=64, impl="torch")
+    with pytest.raises(ValueError, match="group=128 re-expresses 32-wide blocks: block_size must be 32, got 64"):
+        K.fp8_gemm(a2, a2_s, b2, b2_s, block_size=64, group=128, impl="torch")
     with pytest.raises(ValueError, match="K=96 is not a multiple of the group 128"):
         K.fp8_gemm(a[..., :96], a_s[..., :3], b[:, :96], b_s[:, :3], group=128, impl="torch")

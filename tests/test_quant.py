@@ -312,3 +312,45 @@ def test_align_fp8_groups_refusals():
         quant.align_fp8_groups(q, quant.e8m0_to_float(s).bfloat16())
     with pytest.raises(ValueError, match="group must be a positive multiple of 32"):
         quant.expand_group_scales(s, 100)
+
+
+def test_align_fp8_weights_and_linear_group128():
+    """linear.align_fp8_weights re-expresses 32 x 32-block fp8 weights with K % 128 == 0 and leaves the rest; linear
+    then runs act_quant(group=128) + fp8_gemm(group=128) (torch here: SPEC §10.3 on the expanded scales), within
+    the alignment's rounding of the unaligned weight, and refuses what does not fit."""
+    from functional_dsv41.linear import align_fp8_weights, dequantize, fp8_scale_group, linear
+    g = torch.Generator().manual_seed(4)
+    blk = torch.exp2(torch.randint(-12, -3, (3, 8), generator=g).float())     # block scales 2^9 apart: it rounds
+    w, s = quant.quant_fp8_block(torch.randn(80, 256, generator=g) * blk.repeat_interleave(32, 0)[:80]
+                                 .repeat_interleave(32, 1))
+    w96, s96 = quant.quant_fp8_block(torch.randn(40, 96, generator=g))        # K % 128 != 0: kept
+    f4, f4s = quant.quant_fp4(torch.randn(16, 256, generator=g))              # fp4: kept
+    rows, rows_s = quant.quant_fp8_rows(torch.randn(40, 256, generator=g))    # Engram-style fp8 rows: kept
+    tree = {"a": {"weight": w, "scale": s}, "b": [{"weight": w96, "scale": s96}], "c": {"weight": f4, "scale": f4s},
+            "e": {"weight": rows, "scale": rows_s}, "f": torch.ones(3)}
+    out = align_fp8_weights(tree)
+    assert out["a"]["scale"].shape == (3, 2) and fp8_scale_group(out["a"]["weight"], out["a"]["scale"]) == 128
+    for k in ("c", "e", "f"):
+        assert out[k] is tree[k] or all(out[k][n] is tree[k][n] for n in tree[k])
+    assert out["b"][0]["weight"] is w96 and out["b"][0]["scale"] is s96
+    assert tree["a"]["scale"].shape == (3, 8)                                 # the input tree is unchanged
+    again = align_fp8_weights(out)
+    assert again["a"]["weight"] is out["a"]["weight"]                         # aligned weights are kept
+    wd, wd2 = dequantize(tree["a"], torch.float32), dequantize(out["a"], torch.float32)
+    assert not torch.equal(wd, wd2)                                           # some values rounded ...
+    assert bool(((wd - wd2).abs() <= 2.0 ** -10 * quant.e8m0_to_float(out["a"]["scale"]).repeat_interleave(32, 0)
+                 [:80].repeat_interleave(128, 1)).all())                      # ... by at most half e4m3's step
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    y, y2 = linear(x, tree["a"]).float(), linear(x, out["a"]).float()
+    from conftest import cosine_diff
+    assert cosine_diff(y2, y) < 1e-4 and cosine_diff(y2, (x.float() @ wd2.T)) < 1e-3
+    with pytest.raises(ValueError, match=r"linear: x \[\.\.\., 128\] does not match the fp8 weight \[80, 256\]"):
+        linear(x[:, :128], out["a"])
+    with pytest.raises(ValueError, match=r"its scale must be \[3, 8\] \(32 x 32 blocks\) or \[3, 2\]"):
+        fp8_scale_group(w, s[:, :3])
+    with pytest.raises(ValueError, match=r"its scale must be \[2, 3\] \(32 x 32 blocks\), got"):
+        fp8_scale_group(w96, s96[:, :1])
+    with pytest.raises(ValueError, match="fp8 weight: must be 2-D"):
+        fp8_scale_group(w[None], s)
+    with pytest.raises(ValueError, match="align_fp8_weights: group must be 128"):
+        align_fp8_weights(tree, 64)

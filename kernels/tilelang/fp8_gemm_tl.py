@@ -349,7 +349,7 @@ def group_config(M: int, N: int, sms: int = 132) -> dict:
     BN=192 (2.91) runs 1000."""
     def fill(BN):
         waves = -(-M // 128) * -(-N // BN) / sms
-        return waves / -(-waves // 1)
+        return waves / max(1, -(-waves // 1))
     return dict(kernel="halves", group=128, one_tmp=True, BN=max((256, 192), key=fill))
 
 
@@ -376,7 +376,9 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     "bf16" (both operands dequantised exactly to bf16, then torch's matmul); other cfg keys go to the kernel.
     ``group=128``: operands with one scale per 128 columns (``quant.align_fp8_groups``; a_s [..., K/128], b_s
     [ceil(N/32), K/128]) and the halves kernel's one promotion per group (``group_config`` picks its tile; a cfg
-    must name kernel="halves"): a quarter of the FFMAs, not SPEC §10.3's summation order."""
+    must name kernel="halves"): a quarter of the FFMAs, not SPEC §10.3's summation order. Where M is small
+    enough for ``default_config``'s one-wave 64-row loop (decode), that loop runs instead, on the scales expanded
+    to 32-wide blocks."""
     reference.check_fp8_gemm(a, a_s, b, b_s, block_size, group)   # the torch op's shape checks, the same errors
     if block_size != 32:                # valid, but not what the kernels tile: impl="auto" runs the torch op
         raise Unsupported(f"fp8_gemm (tilelang): block_size 32 only, got {block_size}")
@@ -387,8 +389,12 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     if group not in (None, 32):         # the kernel reads each group's scale from its first 32-wide slot
         if cfg and cfg.get("kernel") != "halves":
             raise ValueError(f"fp8_gemm (tilelang): group={group} runs kernel='halves' only, got cfg {cfg}")
-        cfg = {**(cfg or group_config(a2.shape[0], N, sm_count(a.device))), "group": group}
         a_s, b_s = quant.expand_group_scales(a_s, group), quant.expand_group_scales(b_s, group)
+        small = default_config(a2.shape[0], N, K, sm_count(a.device))
+        if not cfg and small["kernel"] == "loop":   # decode / short prefill: the one-wave 64-row loop, bound by
+            cfg = small                             # reading B; on the expanded scales, SPEC §10.3's own order
+        else:
+            cfg = {**(cfg or group_config(a2.shape[0], N, sm_count(a.device))), "group": group}
     sa = _scales(a_s).reshape(-1, K // 32)
     if not cfg:
         cfg = default_config(a2.shape[0], N, K, sm_count(a.device))
