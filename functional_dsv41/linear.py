@@ -44,19 +44,24 @@ def is_quantized(w: torch.Tensor) -> bool:
     return w.dtype in (quant.FP8, quant.FP4X2)
 
 
+def _block_scales(w: torch.Tensor, width: int) -> tuple[int, int]:
+    """The scale shape of a 2-D fp8 weight [N, K] in 32 x ``width`` blocks."""
+    return -(-w.shape[0] // 32), -(-w.shape[1] // width)
+
+
 def fp8_scale_group(w: torch.Tensor, scale: torch.Tensor) -> int:
     """The K width of an fp8 weight's scales: 32 (the release's 32 x 32 blocks, [ceil(N/32), ceil(K/32)]) or 128
     (``align_fp8_weights``'s 32 x 128 blocks, [ceil(N/32), K/128]); any other scale shape is refused."""
     if w.dim() != 2:
         raise ValueError(f"fp8 weight: must be 2-D [N, K], got {list(w.shape)}")
-    N, K = w.shape
-    if tuple(scale.shape) == (-(-N // 32), -(-K // 32)):
+    b32, b128 = _block_scales(w, 32), _block_scales(w, 128)
+    if tuple(scale.shape) == b32:
         return 32
-    if K % 128 == 0 and tuple(scale.shape) == (-(-N // 32), K // 128):
+    if w.shape[1] % 128 == 0 and tuple(scale.shape) == b128:
         return 128
-    also = f" or [{-(-N // 32)}, {K // 128}] (align_fp8_weights's 32 x 128)" if K % 128 == 0 else ""
-    raise ValueError(f"fp8 weight {list(w.shape)}: its scale must be [{-(-N // 32)}, {-(-K // 32)}] (32 x 32 "
-                     f"blocks){also}, got {list(scale.shape)}")
+    also = f" or {list(b128)} (align_fp8_weights's 32 x 128)" if w.shape[1] % 128 == 0 else ""
+    raise ValueError(f"fp8 weight {list(w.shape)}: its scale must be {list(b32)} (32 x 32 blocks){also}, got "
+                     f"{list(scale.shape)}")
 
 
 def align_fp8_weights(params, group: int = 128):
@@ -76,7 +81,7 @@ def align_fp8_weights(params, group: int = 128):
         if isinstance(node, dict):
             w, s = node.get("weight"), node.get("scale")
             if (isinstance(w, torch.Tensor) and w.dtype == quant.FP8 and w.dim() == 2 and isinstance(s, torch.Tensor)
-                    and w.shape[1] % group == 0 and tuple(s.shape) == (-(-w.shape[0] // 32), w.shape[1] // 32)):
+                    and w.shape[1] % group == 0 and tuple(s.shape) == _block_scales(w, 32)):
                 # (a 32 x 32-block weight; Engram's fp8 rows [R, D/32] are looked up, not multiplied: kept)
                 q, sg = quant.align_fp8_groups(w, s, group)
                 return {**node, "weight": q, "scale": sg}

@@ -228,6 +228,12 @@ def quant_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def _check_group(op: str, group) -> None:
+    """A scale group width: a positive int multiple of the 32-wide blocks it gathers."""
+    if isinstance(group, bool) or not isinstance(group, numbers.Integral) or group <= 0 or group % BLOCK:
+        raise ValueError(f"{op}: group must be a positive multiple of {BLOCK}, got {group!r}")
+
+
 def align_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Re-express 32-wide-block fp8 data at one power-of-two scale per ``group`` columns, the largest of the group's
     block scales: ``q' = e4m3_RNE(q * 2^(e - e_max))`` and ``scale'`` = 2^e_max, one per group (K/group columns,
@@ -247,8 +253,7 @@ def align_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> 
     op = "align_fp8_groups"
     if q.dtype != FP8:
         raise TypeError(f"{op}: q must be e4m3 (float8_e4m3fn), got {q.dtype}")
-    if isinstance(group, bool) or not isinstance(group, numbers.Integral) or group <= 0 or group % BLOCK:
-        raise ValueError(f"{op}: group must be a positive multiple of {BLOCK}, got {group!r}")
+    _check_group(op, group)
     if q.dim() == 0 or q.shape[-1] % group:
         raise ValueError(f"{op}: q's last dim must be a multiple of group={group}, got {list(q.shape)}")
     K = q.shape[-1]
@@ -287,8 +292,7 @@ def align_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> 
 def expand_group_scales(scale: torch.Tensor, group: int = 128) -> torch.Tensor:
     """One scale per ``group`` columns [..., K/group] (``align_fp8_groups``) -> the same in each of the group's
     32-wide slots [..., K/32]: SPEC §10.3's layout, for any fp8 consumer (the torch reference, dequantisers)."""
-    if isinstance(group, bool) or not isinstance(group, numbers.Integral) or group <= 0 or group % BLOCK:
-        raise ValueError(f"expand_group_scales: group must be a positive multiple of {BLOCK}, got {group!r}")
+    _check_group("expand_group_scales", group)
     if scale.dim() == 0:
         raise ValueError("expand_group_scales: scale must be [..., K/group], got a 0-d tensor")
     b = scale.view(torch.uint8) if scale.dtype == E8M0 else scale

@@ -77,7 +77,7 @@ def gemm_group128(results, args):
     aligned operands directly would cost what act_quant costs)."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels import reference
-    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.kernels.tilelang import act_quant_tl, fp8_gemm_tl as fg
     for (M, N, K) in [(4096, 5120, 5120), (4096, 2304, 5120), (4096, 5120, 2304)]:
         print(f"-- fp8 GEMM, one promotion per 128 columns, M={M} N={N} K={K}", flush=True)
         a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
@@ -102,7 +102,6 @@ def gemm_group128(results, args):
         variants.append(("torch._scaled_mm rowwise", lambda: torch._scaled_mm(a, bt, sa_r, sb_r,
                                                                               out_dtype=torch.bfloat16), fl, by, None))
         interleaved_rounds(results, args.rounds, variants)
-        from functional_dsv41.kernels.tilelang import act_quant_tl
         xb = torch.randn(M, K, device="cuda").bfloat16()
         results.append(row("act_quant (TileLang)", bench(lambda: act_quant_tl.act_quant(xb)), None, 3 * M * K))
         results.append(row("act_quant_grouped 128 (TileLang, aligned)", bench(lambda: act_quant_tl.act_quant_grouped(

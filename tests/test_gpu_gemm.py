@@ -453,18 +453,26 @@ def _abs8(q):
     return q.float().abs().to(Q.FP8)                # exact: e4m3 is sign-magnitude
 
 
+def _group128_run(shape, seed, cfg):
+    """The release's operands for ``shape``, the same aligned (quant.align_fp8_groups), and on them: the TileLang
+    product with group=128 under ``cfg``, SPEC §10.3's (torch, fp32) and |A| |B|^T (fp32), the bound's scale."""
+    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    a, a_s, b, b_s = _fp8_operands(*shape, seed=seed)
+    a2, a2_s = Q.align_fp8_groups(a, a_s, 128)
+    b2, b2_s = Q.align_fp8_groups(b, b_s, 128)
+    c = fg.fp8_gemm(a2, a2_s, b2, b2_s, group=128, **cfg)
+    ref = K.fp8_gemm(a2, a2_s, b2, b2_s, group=128, impl="torch").float()
+    mag = K.fp8_gemm(_abs8(a2), a2_s, _abs8(b2), b2_s, group=128, impl="torch", out_dtype=torch.float32)
+    return (a, a_s, b, b_s), (a2, a2_s, b2, b2_s), c, ref, mag
+
+
 @pytest.mark.parametrize("cfg", FP8_GROUP128, ids=lambda c: _cfg_id(c) or "group_config")
 @pytest.mark.parametrize("shape", [(300, 5120, 2304), (1000, 2304, 5120), (4096, 5120, 5120)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_fp8_gemm_group128(shape, cfg):
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    a, a_s, b, b_s = _fp8_operands(*shape, seed=5)
-    a2, a2_s = Q.align_fp8_groups(a, a_s, 128)
-    b2, b2_s = Q.align_fp8_groups(b, b_s, 128)
-    c = fg.fp8_gemm(a2, a2_s, b2, b2_s, group=128, **cfg)
-    ref = K.fp8_gemm(a2, a2_s, b2, b2_s, group=128, impl="torch").float()
-    mag = K.fp8_gemm(_abs8(a2), a2_s, _abs8(b2), b2_s, group=128, impl="torch", out_dtype=torch.float32)
+    (a, a_s, b, b_s), (a2, a2_s, b2, b2_s), c, ref, mag = _group128_run(shape, 5, cfg)
     err = (c.float() - ref).abs()
     worst = float((err / (2.0 ** -8 * ref.abs() + mag)).max())
     print(f"group128 {shape} {cfg}: cosine diff {cosine_diff(c, ref):.2e}, max |err| / (2^-8 |C| + |A||B|^T) "
@@ -485,13 +493,7 @@ def test_fp8_gemm_group128_small(shape, cfg):
     """The tiny models' shapes: by default the one-wave 64-row loop on the expanded scales (decode-sized M), and
     the group=128 halves kernel asked for by name: one partial row tile, N below one column tile."""
     _need_tilelang()
-    from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
-    a, a_s, b, b_s = _fp8_operands(*shape, seed=6)
-    a2, a2_s = Q.align_fp8_groups(a, a_s, 128)
-    b2, b2_s = Q.align_fp8_groups(b, b_s, 128)
-    c = fg.fp8_gemm(a2, a2_s, b2, b2_s, group=128, **cfg)
-    ref = K.fp8_gemm(a2, a2_s, b2, b2_s, group=128, impl="torch").float()
-    mag = K.fp8_gemm(_abs8(a2), a2_s, _abs8(b2), b2_s, group=128, impl="torch", out_dtype=torch.float32)
+    _, _, c, ref, mag = _group128_run(shape, 6, cfg)
     assert c.shape == ref.shape
     assert bool(((c.float() - ref).abs() <= 2.0 ** -8 * ref.abs() + 2.0 ** -7 * mag).all())
     assert cosine_diff(c, ref) < 1e-5

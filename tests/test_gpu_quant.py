@@ -13,15 +13,22 @@ pytestmark = pytest.mark.gpu
 
 
 # ----------------------------------------------------------------------------- quantizers (bit-exact)
-@pytest.mark.parametrize("shape", [(7, 96), (4096, 5120), (3, 5, 2304), (1, 32)])
-def test_act_quant_bit_exact(shape):
-    _need_tilelang()
-    g = torch.Generator(device=DEV).manual_seed(7)
+def _spread_bf16(shape, seed):
+    """bf16 activations whose 32-wide blocks' magnitudes span 2^-30 .. 2^11, the first block under act_quant's
+    1e-4 amax floor."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(shape, device=DEV, generator=g)
     x = x * torch.exp2(torch.randint(-30, 12, x.shape[:-1] + (x.shape[-1] // 32, 1), device=DEV,
                                      generator=g).float()).expand(*x.shape[:-1], -1, 32).flatten(-2)
     x = x.bfloat16()
-    x.view(-1)[:32] = 1e-6                                   # a block under the 1e-4 floor
+    x.view(-1)[:32] = 1e-6
+    return x
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (4096, 5120), (3, 5, 2304), (1, 32)])
+def test_act_quant_bit_exact(shape):
+    _need_tilelang()
+    x = _spread_bf16(shape, 7)
     q, s = K.act_quant(x, 32, "ue8m0", Q.E8M0, impl="tilelang")
     q_r, s_r = K.act_quant(x, 32, "ue8m0", Q.E8M0, impl="torch")
     assert q.dtype == Q.FP8 and s.dtype == Q.E8M0 and q.shape == q_r.shape and s.shape == s_r.shape
@@ -35,12 +42,7 @@ def test_act_quant_grouped_bit_exact(shape):
     block scales 2^-30 .. 2^11 apart, so a group's blocks are re-expressed by up to 2^41 (rounded, or to 0)."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang import act_quant_tl
-    g = torch.Generator(device=DEV).manual_seed(8)
-    x = torch.randn(shape, device=DEV, generator=g)
-    x = x * torch.exp2(torch.randint(-30, 12, x.shape[:-1] + (x.shape[-1] // 32, 1), device=DEV,
-                                     generator=g).float()).expand(*x.shape[:-1], -1, 32).flatten(-2)
-    x = x.bfloat16()
-    x.view(-1)[:32] = 1e-6                                   # a block under the 1e-4 floor
+    x = _spread_bf16(shape, 8)
     q, s = act_quant_tl.act_quant_grouped(x, 128)
     q_r, s_r = Q.align_fp8_groups(*Q.act_quant(x, 32, "ue8m0", Q.E8M0), 128)
     assert q.dtype == Q.FP8 and s.dtype == Q.E8M0 and q.shape == q_r.shape and s.shape == s_r.shape
