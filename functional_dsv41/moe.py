@@ -164,52 +164,11 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
     x_TD = x.reshape(-1, shape[-1])
     im_T = image_mask.reshape(-1) if image_mask is not None else None
     w_TK, idx_TK = route(x_TD, p["gate"], cfg=cfg, layer_id=layer_id, image_mask_T=im_T)
-    fake_routed = qat_format(cfg, "experts")
-    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
-    # this rank's routed experts (all of them unless sharded over "ep": sharding.py), from expert id `first`
-    experts, first, n_exp = sharding.local_experts(p["experts"])
-    xe_TD, we_TK = sharding.expert_inputs((x_TD, w_TK), p["experts"])   # (x_TD, w_TK) unless split over "ep"
+    kw = dict(cfg=cfg, mode=mode, fake=qat_format(cfg, "experts"), impl=impl)
     if dispatch == "sorted":
-        # group token-slots by expert: one GEMM per active expert ...
-        K = idx_TK.shape[1]
-        flat_e = idx_TK.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)
-        counts = torch.bincount(flat_e, minlength=n_exp).tolist()
-        lo = sum(counts[:first])                     # the sorted slots [lo, hi) go to this rank's experts
-        counts = counts[first:first + len(experts)]
-        hi = lo + sum(counts)
-        tok = order[lo:hi] // K
-        wts = we_TK.reshape(-1)[order[lo:hi]]
-        outs = []
-        if hi > lo and _grouped_ok(experts, mode):
-            outs = [experts_grouped(xe_TD[tok], experts, wts[:, None], counts, cfg=cfg, impl=impl).float()]
-        elif hi > lo:
-            start = 0
-            for e, n in enumerate(counts):
-                if n:
-                    outs.append(expert(xe_TD[tok[start:start + n]], experts[e], wts[start:start + n, None],
-                                       cfg=cfg, mode=mode, fake=fake_routed, impl=impl).float())
-                    start += n
-        # ... then back to [T, K] slots (another rank's slots zero here, summed over "ep"), each token's K
-        # outputs added in ascending expert order
-        # (no slot here: a 0-row value still tied to xe_TD / we_TK, so that their backward - a sum over "ep" -
-        # runs on every rank, as a collective must, and to the experts, whose gradients are then 0, not None)
-        mine = torch.cat(outs) if outs else \
-            xe_TD[:0].float() * we_TK.reshape(-1)[:0, None] + sharding.no_slots(p["experts"])
-        slot_out = (mine.new_empty if hi - lo == flat_e.shape[0] else mine.new_zeros)(flat_e.shape[0], x_TD.shape[1])
-        slot_out = sharding.sum_experts(slot_out.index_copy(0, order[lo:hi], mine), p["experts"])
-        slot_out = slot_out.view(-1, K, x_TD.shape[1])
-        slot_out = slot_out.gather(1, idx_TK.argsort(-1)[..., None].expand_as(slot_out))
-        for k in range(K):
-            y_TD = y_TD + slot_out[:, k]
+        y_TD = _routed_sorted(x_TD, w_TK, idx_TK, p["experts"], **kw)
     elif dispatch == "dense":
-        dense_w_TE = torch.zeros(x_TD.shape[0], n_exp, dtype=torch.float32,
-                                 device=x.device).scatter(-1, idx_TK, we_TK)
-        for i, ex in enumerate(experts):
-            e = first + i
-            out = expert(xe_TD, ex, dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake_routed, impl=impl)
-            y_TD = y_TD + out.float() * (dense_w_TE[:, e:e + 1] != 0)
-        y_TD = sharding.sum_experts(y_TD, p["experts"])   # (over "ep": other partial sums, not the same bits)
+        y_TD = _routed_dense(x_TD, w_TK, idx_TK, p["experts"], **kw)
     else:
         raise ValueError(f"moe: dispatch must be 'sorted' or 'dense', got {dispatch!r}")
     if "shared_experts" in p:
@@ -217,3 +176,60 @@ def moe(p: dict, x: torch.Tensor, *, cfg: Config, layer_id: int, image_mask: tor
                              impl=impl).float()
     y = y_TD.to(x.dtype).reshape(shape)
     return (y, (w_TK, idx_TK)) if return_routing else y
+
+
+def _routed_sorted(x_TD, w_TK, idx_TK, node, *, cfg: Config, mode: str, fake, impl) -> torch.Tensor:
+    """The routed experts' sum, fp32 [T, D]: token slots grouped by expert, one GEMM per active expert (or one
+    grouped GEMM per projection, ``experts_grouped``), then each token's K outputs added in ascending expert
+    order. ``node`` is ``p["experts"]``; split over "ep" (``sharding.py``), this rank runs its own experts on the
+    slots routed to them and the slot outputs are summed over "ep" before the per-token sum (the same bits)."""
+    experts, first, n_exp = sharding.local_experts(node)      # (all of them, from 0, unless split over "ep")
+    xe_TD, we_TK = sharding.expert_inputs((x_TD, w_TK), node)  # (x_TD, w_TK) unless split over "ep"
+    K = idx_TK.shape[1]
+    flat_e = idx_TK.reshape(-1)
+    order = torch.argsort(flat_e, stable=True)
+    counts = torch.bincount(flat_e, minlength=n_exp).tolist()
+    lo = sum(counts[:first])                     # the sorted slots [lo, hi) go to this rank's experts
+    counts = counts[first:first + len(experts)]
+    hi = lo + sum(counts)
+    tok = order[lo:hi] // K
+    wts = we_TK.reshape(-1)[order[lo:hi]]
+    outs = []
+    if hi > lo and _grouped_ok(experts, mode):
+        outs = [experts_grouped(xe_TD[tok], experts, wts[:, None], counts, cfg=cfg, impl=impl).float()]
+    elif hi > lo:
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(expert(xe_TD[tok[start:start + n]], experts[e], wts[start:start + n, None],
+                                   cfg=cfg, mode=mode, fake=fake, impl=impl).float())
+                start += n
+    # back to [T, K] slots (another rank's slots zero here, summed over "ep"), each token's K outputs added in
+    # ascending expert order
+    # (no slot here: a 0-row value still tied to xe_TD / we_TK, so that their backward - a sum over "ep" -
+    # runs on every rank, as a collective must, and to the experts, whose gradients are then 0, not None)
+    mine = torch.cat(outs) if outs else xe_TD[:0].float() * we_TK.reshape(-1)[:0, None] + sharding.no_slots(node)
+    slot_out = (mine.new_empty if hi - lo == flat_e.shape[0] else mine.new_zeros)(flat_e.shape[0], x_TD.shape[1])
+    slot_out = sharding.sum_experts(slot_out.index_copy(0, order[lo:hi], mine), node)
+    slot_out = slot_out.view(-1, K, x_TD.shape[1])
+    slot_out = slot_out.gather(1, idx_TK.argsort(-1)[..., None].expand_as(slot_out))
+    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    for k in range(K):
+        y_TD = y_TD + slot_out[:, k]
+    return y_TD
+
+
+def _routed_dense(x_TD, w_TK, idx_TK, node, *, cfg: Config, mode: str, fake, impl) -> torch.Tensor:
+    """The routed experts' sum, fp32 [T, D]: every expert over every token, masked by the routing weights (no
+    data-dependent shapes: works under ``torch.func.vmap``; tiny configs only). Split over "ep", the partial sums
+    are summed over "ep" (not the same bits as one process)."""
+    experts, first, n_exp = sharding.local_experts(node)
+    xe_TD, we_TK = sharding.expert_inputs((x_TD, w_TK), node)
+    dense_w_TE = torch.zeros(x_TD.shape[0], n_exp, dtype=torch.float32,
+                             device=x_TD.device).scatter(-1, idx_TK, we_TK)
+    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    for i, ex in enumerate(experts):
+        e = first + i
+        out = expert(xe_TD, ex, dense_w_TE[:, e:e + 1], cfg=cfg, mode=mode, fake=fake, impl=impl)
+        y_TD = y_TD + out.float() * (dense_w_TE[:, e:e + 1] != 0)
+    return sharding.sum_experts(y_TD, node)
