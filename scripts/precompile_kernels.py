@@ -221,6 +221,9 @@ def gemm():
         for cfg in [*bg.GEMM128_CFGS, fg.group_config(4096, N)]:
             kc = dict(cfg)
             fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
+        a, a_s = Q.align_fp8_groups(*Q.act_quant(torch.randn(4096, K).bfloat16(), 32, "ue8m0", Q.E8M0))
+        fg.fp8_gemm(a, a_s, *Q.align_fp8_groups(*Q.quant_fp8_block(torch.randn(N, K) * 0.02)), group=128)   # (its
+        #                                                                     scale kernels spread a group's scale)
     for cfg in bg.GEMM_PROBE_CFGS:                      # the bench's gemmprobe rows (kernels launched directly)
         kc = dict(cfg)
         fg.kernel_factory(kc.pop("kernel"))(5120, 5120, **kc)

@@ -124,10 +124,11 @@ def test_fp4_act_quant_golden():
         assert torch.equal(_bytes(s).cpu(), _bytes(gd[f"fp4_act_quant.{name}.s"])), name
 
 
-@pytest.mark.parametrize("rep,rows", [(1, None), (32, 70), (32, 8192)])
-def test_e8m0_expand_bit_exact(rep, rows):
+@pytest.mark.parametrize("rep,rows,krep", [(1, None, 1), (32, 70, 1), (32, 8192, 1), (1, None, 4), (32, 70, 4)])
+def test_e8m0_expand_bit_exact(rep, rows, krep):
     """The GEMMs' scale operand kernel against Q.e8m0_to_float on every e8m0 byte (0: subnormal 2^-127,
-    255: inf), each row repeated ``rep`` times and cut to ``rows`` (B's 32-row blocks per output column)."""
+    255: inf), each row repeated ``rep`` times and cut to ``rows`` (B's 32-row blocks per output column), each
+    column ``krep`` times (group=128 scales spread over their four 32-wide slots: Q.expand_group_scales)."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang._gemm import scales_f32
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -135,7 +136,8 @@ def test_e8m0_expand_bit_exact(rep, rows):
     s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
     s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
     s = s.view(Q.E8M0)
-    out = scales_f32(s, rep=rep, rows=rows)
-    ref = Q.e8m0_to_float(s).repeat_interleave(rep, 0)[: (256 * rep if rows is None else rows)]
+    out = scales_f32(s, rep=rep, rows=rows, krep=krep)
+    ref = Q.e8m0_to_float(Q.expand_group_scales(s, 32 * krep)).repeat_interleave(rep, 0)
+    ref = ref[: (256 * rep if rows is None else rows)]
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert torch.equal(out.view(torch.int32), ref.contiguous().view(torch.int32))

@@ -93,42 +93,50 @@ def promote_loop(BM: int, BN: int, SB: int, async_promote: bool, per_col: bool =
 
 # ----------------------------------------------------------------------------- scale operands
 @functools.lru_cache(maxsize=None)
-def e8m0_expand_kernel(KB: int, rep: int, threads: int = 256, per_thread: int = 4):
-    """O [NR, KB] fp32 = 2^(S[r // rep, c] - 127) from S [R, KB] e8m0 bytes, in one launch (the GEMMs'
-    fp32 scale operands: ``rep`` = 1 for activation scales, 32 to expand 32x32 weight blocks per column).
+def e8m0_expand_kernel(KB: int, rep: int, threads: int = 256, per_thread: int = 4, krep: int = 1):
+    """O [NR, KB * krep] fp32 = 2^(S[r // rep, c // krep] - 127) from S [R, KB] e8m0 bytes, in one launch (the
+    GEMMs' fp32 scale operands: ``rep`` = 1 for activation scales, 32 to expand 32x32 weight blocks per column;
+    ``krep`` = 4 to spread one scale per 128 columns (``quant.align_fp8_groups``) over the four 32-wide slots the
+    GEMM's stage tiles read, which ``quant.expand_group_scales`` would do in separate torch launches).
     Exactly ``quant.e8m0_to_float``: byte e in 1..254 is the fp32 whose exponent field is e; 0 is 2^-127
     (subnormal); 255 is inf (ldexp(1, 128)). It replaces ~6 torch launches per operand (view, cast, subtract,
     ones, ldexp; repeat_interleave and a copy for B: 34 us each at 4096x5120x5120 on the H200, run 21), a fixed
     cost that dominated small-M (decode) GEMMs."""
     R, NR = T.dynamic("R"), T.dynamic("NR")
     BLK = threads * per_thread
+    KO = KB * krep
+
+    def src_col(c):                 # (a Python-level choice: krep = 1 builds the same TIR as before krep existed)
+        return c if krep == 1 else c // krep
 
     @T.prim_func
-    def e8m0_expand(S: T.Tensor([R, KB], "uint8"), O: T.Tensor([NR, KB], F32)):
-        with T.Kernel(T.ceildiv(NR * KB, BLK), threads=threads) as bx:
+    def e8m0_expand(S: T.Tensor([R, KB], "uint8"), O: T.Tensor([NR, KO], F32)):
+        with T.Kernel(T.ceildiv(NR * KO, BLK), threads=threads) as bx:
             for i in T.Parallel(BLK):
                 f = bx * BLK + i
-                if f < NR * KB:
-                    e = T.Cast("int32", S[f // KB // rep, f % KB])
-                    O[f // KB, f % KB] = T.if_then_else(e == 0, T.float32(2.0 ** -127),
+                if f < NR * KO:
+                    e = T.Cast("int32", S[f // KO // rep, src_col(f % KO)])
+                    O[f // KO, f % KO] = T.if_then_else(e == 0, T.float32(2.0 ** -127),
                                                         T.reinterpret(e << 23, F32))
 
     from ._common import compile_kernel
     return compile_kernel(e8m0_expand)
 
 
-def scales_f32(s: torch.Tensor, rep: int = 1, rows: int | None = None) -> torch.Tensor:
-    """fp32 [rows, KB] GEMM scale operand from e8m0 (or fp32) scales [..., KB]: each row of ``s`` repeated
-    ``rep`` times, the first ``rows`` (default all) kept. e8m0 goes through ``e8m0_expand_kernel``."""
+def scales_f32(s: torch.Tensor, rep: int = 1, rows: int | None = None, krep: int = 1) -> torch.Tensor:
+    """fp32 [rows, KB * krep] GEMM scale operand from e8m0 (or fp32) scales [..., KB]: each row of ``s`` repeated
+    ``rep`` times, the first ``rows`` (default all) kept, each column repeated ``krep`` times (group scales to
+    the 32-wide slots). e8m0 goes through ``e8m0_expand_kernel``."""
     KB = s.shape[-1]
     s2 = s.reshape(-1, KB)
     rows = s2.shape[0] * rep if rows is None else rows
     if s.dtype != quant.E8M0:
-        out = s2.float()
+        out = s2.float().repeat_interleave(krep, 1) if krep > 1 else s2.float()
         return (out.repeat_interleave(rep, 0)[:rows] if rep > 1 else out[:rows]).contiguous()
-    out = torch.empty(rows, KB, dtype=torch.float32, device=s.device)
+    out = torch.empty(rows, KB * krep, dtype=torch.float32, device=s.device)
     if rows:
-        e8m0_expand_kernel(KB, rep)(s2.contiguous().view(torch.uint8), out)
+        kern = e8m0_expand_kernel(KB, rep, krep=krep) if krep > 1 else e8m0_expand_kernel(KB, rep)
+        kern(s2.contiguous().view(torch.uint8), out)
     return out
 
 

@@ -17,6 +17,15 @@ from ._common import compile_kernel
 BF16, F32, FP8 = "bfloat16", "float32", "float8_e4m3fn"
 
 
+@T.macro
+def _ue8m0_exponent(e, amax, i, g):
+    """e[i, g] = block (i, g)'s power-of-two exponent from its absolute maximum amax[i, g]: the release's
+    ``exponent(max(amax, 1e-4) / 448)`` rounded up, on the fp32 bits (both kernels' one copy; a macro, so
+    act_quant_kernel's TIR, and the key of its cached binary, are what they were when it spelled this out)."""
+    bits = T.reinterpret(T.max(amax[i, g], T.float32(1e-4)) * T.float32(1.0 / 448.0), "int32")
+    e[i, g] = ((bits >> 23) & 255) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def act_quant_kernel(G: int, bs: int = 32, BR: int = 16, GB: int = 16, threads: int = 128):
     """x viewed [R, G, bs] -> q [R, G, bs] e4m3, s [R, G] uint8 (e8m0 bytes)."""
@@ -24,7 +33,6 @@ def act_quant_kernel(G: int, bs: int = 32, BR: int = 16, GB: int = 16, threads: 
     GB = min(GB, G)
     while G % GB:
         GB //= 2
-    inv = 1.0 / 448.0
 
     @T.prim_func
     def act_quant(
@@ -39,8 +47,7 @@ def act_quant_kernel(G: int, bs: int = 32, BR: int = 16, GB: int = 16, threads: 
             T.copy(X[bx * BR:(bx + 1) * BR, by * GB:(by + 1) * GB, :], x)
             T.reduce_absmax(x, amax, dim=2)
             for i, g in T.Parallel(BR, GB):
-                bits = T.reinterpret(T.max(amax[i, g], T.float32(1e-4)) * T.float32(inv), "int32")
-                e[i, g] = ((bits >> 23) & 255) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+                _ue8m0_exponent(e, amax, i, g)
             for i, g, k in T.Parallel(BR, GB, bs):
                 x[i, g, k] = T.clamp(x[i, g, k] * T.reinterpret((127 - e[i, g]) << 23, F32), -448.0, 448.0)
             T.copy(x, Q[bx * BR:(bx + 1) * BR, by * GB:(by + 1) * GB, :])
@@ -65,7 +72,6 @@ def act_quant_grouped_kernel(G: int, group: int = 128, BR: int = 16, GB: int = 4
     GB = min(GB, G)
     while G % GB:
         GB //= 2
-    inv = 1.0 / 448.0
 
     @T.prim_func
     def act_quant_grouped(
@@ -81,8 +87,7 @@ def act_quant_grouped_kernel(G: int, group: int = 128, BR: int = 16, GB: int = 4
             T.copy(X[bx * BR:(bx + 1) * BR, by * GB * NB:(by + 1) * GB * NB, :], x)
             T.reduce_absmax(x, amax, dim=2)
             for i, b in T.Parallel(BR, GB * NB):
-                bits = T.reinterpret(T.max(amax[i, b], T.float32(1e-4)) * T.float32(inv), "int32")
-                e_s[i, b] = ((bits >> 23) & 255) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+                _ue8m0_exponent(e_s, amax, i, b)
             for i, g in T.Parallel(BR, GB):             # (one expression: no shared read-back in a loop)
                 emax_s[i, g] = T.max(T.max(e_s[i, g * NB], e_s[i, g * NB + 1]),
                                      T.max(e_s[i, g * NB + 2], e_s[i, g * NB + 3]))

@@ -304,15 +304,16 @@ def fp8_gemm_pingpong_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stage
     return compile_kernel(fp8_gemm_pingpong, out_idx=[4])
 
 
-def _scales(s: torch.Tensor) -> torch.Tensor:
-    """e8m0 / fp32 scales [..., K/32] -> fp32 [rows, K/32] (one launch: ``_gemm.scales_f32``)."""
-    return scales_f32(s)
+def _scales(s: torch.Tensor, krep: int = 1) -> torch.Tensor:
+    """e8m0 / fp32 scales [..., K/32] (or [..., K/(32 krep)], one per group of krep blocks) -> fp32 [rows, K/32]
+    (one launch: ``_gemm.scales_f32``)."""
+    return scales_f32(s, krep=krep)
 
 
-def _col_scales(b_s: torch.Tensor, N: int) -> torch.Tensor:
-    """[ceil(N/32), K/32] block scales -> fp32 [N, K/32] per output column (a TMA tile of it is
-    >= 128 bytes per pipeline stage; the [BN/32, 4] block tile is 64 bytes, which TMA refuses)."""
-    return scales_f32(b_s, rep=32, rows=N)
+def _col_scales(b_s: torch.Tensor, N: int, krep: int = 1) -> torch.Tensor:
+    """[ceil(N/32), K/32] block scales (or [ceil(N/32), K/(32 krep)]) -> fp32 [N, K/32] per output column (a TMA
+    tile of it is >= 128 bytes per pipeline stage; the [BN/32, 4] block tile is 64 bytes, which TMA refuses)."""
+    return scales_f32(b_s, rep=32, rows=N, krep=krep)
 
 
 def _pick_bk(K: int) -> int:
@@ -386,16 +387,17 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     N = b.shape[0]
     lead = a.shape[:-1]
     a2 = a.reshape(-1, K).contiguous()
+    krep = 1                            # scale columns a scale spans in the kernels' 32-wide slots
     if group not in (None, 32):         # the kernel reads each group's scale from its first 32-wide slot
         if cfg and cfg.get("kernel") != "halves":
             raise ValueError(f"fp8_gemm (tilelang): group={group} runs kernel='halves' only, got cfg {cfg}")
-        a_s, b_s = quant.expand_group_scales(a_s, group), quant.expand_group_scales(b_s, group)
+        krep = group // 32              # (spread by the scale kernels themselves: two torch launches fewer each)
         small = default_config(a2.shape[0], N, K, sm_count(a.device))
         if not cfg and small["kernel"] == "loop":   # decode / short prefill: the one-wave 64-row loop, bound by
             cfg = small                             # reading B; on the expanded scales, SPEC §10.3's own order
         else:
             cfg = {**(cfg or group_config(a2.shape[0], N, sm_count(a.device))), "group": group}
-    sa = _scales(a_s).reshape(-1, K // 32)
+    sa = _scales(a_s, krep).reshape(-1, K // 32)
     if not cfg:
         cfg = default_config(a2.shape[0], N, K, sm_count(a.device))
     kernel = cfg.pop("kernel", "pingpong" if K % 128 == 0 else "loop")
@@ -412,5 +414,5 @@ def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Ten
     if kernel == "loop":
         cfg["BK"] = cfg.get("BK", _pick_bk(K))
     kern = kernel_factory(kernel)(N, K, **cfg)
-    c = kern(a2, sa, b.contiguous(), _col_scales(b_s, N))
+    c = kern(a2, sa, b.contiguous(), _col_scales(b_s, N, krep))
     return c.reshape(*lead, N).to(out_dtype)
