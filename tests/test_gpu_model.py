@@ -49,8 +49,12 @@ def test_teacher_forced_blocks_on_gpu(name, impl, aligned, monkeypatch):
         from functional_dsv41.linear import align_fp8_weights
         params = align_fp8_weights(params)
         real = fp8_gemm_tl.scales_f32
-        monkeypatch.setattr(fp8_gemm_tl, "scales_f32",
-                            lambda s, *a, **k: (k.get("krep", 1) > 1 and groups.append(s.shape)) or real(s, *a, **k))
+
+        def spy(s, *a, krep=1, **k):
+            if krep > 1:
+                groups.append(s.shape)
+            return real(s, *a, krep=krep, **k)
+        monkeypatch.setattr(fp8_gemm_tl, "scales_f32", spy)
     tol = 1e-4 if cfg.dtype == "bf16" else 1e-3
     P = int(g["prefill_len"])
     ids = g["input_ids"][:, :P].cuda()

@@ -131,7 +131,7 @@ def scales_f32(s: torch.Tensor, rep: int = 1, rows: int | None = None, krep: int
     s2 = s.reshape(-1, KB)
     rows = s2.shape[0] * rep if rows is None else rows
     if s.dtype != quant.E8M0:
-        out = s2.float().repeat_interleave(krep, 1) if krep > 1 else s2.float()
+        out = quant.expand_group_scales(s2, 32 * krep).float() if krep > 1 else s2.float()
         return (out.repeat_interleave(rep, 0)[:rows] if rep > 1 else out[:rows]).contiguous()
     out = torch.empty(rows, KB * krep, dtype=torch.float32, device=s.device)
     if rows:

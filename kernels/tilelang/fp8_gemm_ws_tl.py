@@ -312,8 +312,9 @@ def fp8_gemm_halves_kernel(N: int, K: int, BN: int = 192, BK: int = 128, stages:
     core's accumulator, then one FFMA per element), a quarter of the FFMAs that run 47 found adding to the
     WGMMAs' time. Only valid where the scales are equal within each 128-column group (the kernel reads the
     group's first slot): operands re-expressed by ``quant.align_fp8_groups``, whose one scale per group
-    ``fp8_gemm(..., group=128)`` expands into every slot (it takes nothing else: a shape check). The sum of a group's 128 products is then the tensor core's, not four fp32 promotions:
-    not SPEC §10.3's order, within DESIGN's fp8 tolerance (``test_gpu_gemm.py::test_fp8_gemm_group128``).
+    ``fp8_gemm(..., group=128)`` spreads into every slot (``_gemm.scales_f32(krep=4)``; it takes nothing else: a
+    shape check). The sum of a group's 128 products is then the tensor core's, not four fp32 promotions: not SPEC
+    §10.3's order, within DESIGN's fp8 tolerance (``test_gpu_gemm.py::test_fp8_gemm_group128``).
     ``one_tmp``: one temporary for both halves, each half's WGMMAs waited for and promoted before the other's
     are issued (no overlap within a consumer, only across the two): its registers leave room for BN = 256
     (acc 128 + tmp 64 a thread), 640 tiles = 4.85 waves of 132 SMs at 4096 x 5120, against BN = 192's 6.55.
