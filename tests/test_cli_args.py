@@ -52,6 +52,7 @@ BAD = [
     ("benchmarks/train_throughput.py", ["--mode", "bogus"], 2, "--mode"),
     ("benchmarks/release_layers.py", ["--impls", "auto,bogus"], 2, "bogus"),
     ("benchmarks/release_layers.py", ["--repeat", "0"], 2, "--repeat"),
+    ("benchmarks/host_overhead.py", ["--calls", "0"], 2, "--calls"),
     ("-m functional_dsv41.kernels.bench", ["--m", "0"], 2, "--m"),
     ("-m functional_dsv41.kernels.bench", ["--only", "gemm,bogus"], 2, "bogus"),
     ("-m functional_dsv41.kernels.bench", ["--rounds", "0"], 2, "--rounds"),
@@ -91,6 +92,12 @@ def test_kernel_sources_dump_without_tilelang(tmp_path):
         pytest.skip("tilelang importable here: dump would lower the kernels")
     _check(_run(["scripts/kernel_sources.py", "dump", str(tmp_path / "out")]), 1, "tilelang")
     assert not (tmp_path / "out").exists()
+
+
+def test_host_overhead_without_tilelang():
+    if importlib.util.find_spec("tilelang") is not None:
+        pytest.skip("tilelang importable here: the benchmark would run")
+    _check(_run(["benchmarks/host_overhead.py", "--calls", "1"]), 1, "tilelang")
 
 
 def _fake_cuda(monkeypatch):
