@@ -12,6 +12,21 @@ def bench(fn, warmup=25, rep=100):
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # ms
 
 
+def graph_ms(fn, n=20):
+    """GPU time of one fn() without the host: n calls captured in one CUDA graph, replayed (a warm-up call first,
+    on a side stream, so that kernels are built and memory pools set before the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(n):
+            fn()
+    return bench(gr.replay) / n
+
+
 def row(name, ms, flops=None, nbytes=None, note=""):
     tf = f"{flops / ms / 1e9:9.1f}" if flops else " " * 9
     gb = f"{nbytes / ms / 1e6:9.1f}" if nbytes else " " * 9

@@ -20,7 +20,7 @@ import torch
 
 from functional_dsv41.config import write_atomic
 
-from ._bench_common import bench, positive_int, row
+from ._bench_common import bench, graph_ms, positive_int, row
 from .bench_attn import (ATTN_BWD_SWEEP, ATTN_FWD_SWEEP, attention_bound, attention_bwd, attention_cl,
                          attention_diag, attention_fwd, attention_nreg, attention_pp, attention_tail, attention_trace,
                          attention_trace_boundary)
@@ -62,20 +62,6 @@ def fp4_hc(results, args):
         results.append(row(f"fp4_act_quant [{r},{n}] /{bs} torch reference", bench(lambda: Q.fp4_act_quant(x, bs, sd)), None, by))
 
 
-def _graph_ms(fn, n=20):
-    """GPU time of one fn() without the host: n calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(n):
-            fn()
-    return bench(gr.replay) / n
-
-
 def hc_sinkhorn(results, args):
     """hc_split_sinkhorn [M, 24] (hc 4, 20 iterations): forward variants (tokens per CTA; IEEE division,
     IEEE reciprocal + multiply, MUFU reciprocal + multiply), the backward alone (TileLang kernel, CTA sizes; torch recompute; reference
@@ -96,7 +82,7 @@ def hc_sinkhorn(results, args):
         try:
             results.append(row(name + " eager", bench(fn), None, nbytes))
             if graph:
-                results.append(row(name + " graph", _graph_ms(fn), None, nbytes))
+                results.append(row(name + " graph", graph_ms(fn), None, nbytes))
         except Exception as e:
             print(f"!! {name}: {type(e).__name__}: {e}", flush=True)
 

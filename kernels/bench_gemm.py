@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from ._bench_common import bench, clock_under_load, interleaved_rounds, row
+from ._bench_common import bench, clock_under_load, graph_ms, interleaved_rounds, row
 
 
 # fp8 warp-specialised kernel without turn-taking (fp8_gemm_tl.fp8_gemm_ws_kernel), swept by "gemm" after
@@ -188,9 +188,12 @@ def gemm_wrapper(results, args):
     """What the fp8 GEMM's Python wrapper adds to the kernel, at the release's 5120-deep shapes from prefill (4096
     rows) down to decode (16 and 1 rows): the kernel alone, the two fp32 scale operands (A's e8m0 scales, B's
     32x32 block scales expanded per column) built the old way (torch ops) and the current way (one
-    ``_gemm.e8m0_expand_kernel`` launch each), and ``fp8_gemm`` end to end."""
+    ``_gemm.e8m0_expand_kernel`` launch each), ``fp8_gemm`` end to end, and a whole ``linear`` (act_quant +
+    fp8_gemm, the model's call) eager and in a CUDA graph: how much of a small call is the host's
+    (benchmarks/host_overhead.py measures our Python's part of it without a GPU)."""
     from functional_dsv41 import quant as Q
     from functional_dsv41.kernels.tilelang import fp8_gemm_tl as fg
+    from functional_dsv41.linear import linear
     for M, N, K in [(4096, 5120, 5120), (16, 5120, 5120), (1, 2304, 5120)]:
         print(f"-- fp8 GEMM wrapper M={M} N={N} K={K}", flush=True)
         a, a_s = Q.act_quant(torch.randn(M, K, device="cuda").bfloat16(), 32, "ue8m0", Q.E8M0)
@@ -206,6 +209,9 @@ def gemm_wrapper(results, args):
         results.append(row(f"M={M}: A scales, e8m0_expand_kernel", bench(lambda: fg._scales(a_s))))
         results.append(row(f"M={M}: B scales, e8m0_expand_kernel", bench(lambda: fg._col_scales(b_s, N))))
         results.append(row(f"M={M}: fp8_gemm end to end", bench(lambda: fg.fp8_gemm(a, a_s, b, b_s)), fl))
+        x, p = torch.randn(M, K, device="cuda").bfloat16(), {"weight": b, "scale": b_s}
+        results.append(row(f"M={M}: linear (act_quant + fp8_gemm), eager", bench(lambda: linear(x, p)), fl))
+        results.append(row(f"M={M}: linear, in a CUDA graph", graph_ms(lambda: linear(x, p)), fl))
 
 
 # Small-M (decode) fp8 GEMM candidates: 64-row tiles (one consumer warpgroup) and narrow N tiles, so that a
