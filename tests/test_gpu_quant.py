@@ -147,13 +147,16 @@ def test_e8m0_expand_bit_exact(rep, rows, krep):
 def test_scales_f32_fp32_branch_matches_e8m0(rep, rows, krep):
     """``scales_f32`` on fp32 scales (the torch branch: no kernel) gives the same bits as on the same values in
     e8m0 (the kernel), with rows repeated ``rep`` times, cut to ``rows`` and columns spread ``krep`` times; the
-    e8m0 side is checked against Q.e8m0_to_float above. Bytes 1..254 only: fp32 scales come from finite powers
-    of two, and 2^-127 is where the two formats part (an fp32 subnormal, e8m0's byte 0). (The shapes and
-    ``rep``/``krep`` are the test above's, so the e8m0 side runs the kernels that test compiles.)"""
+    e8m0 side is checked against Q.e8m0_to_float above. Every byte, 0 (2^-127, an fp32 subnormal) and 255 (inf)
+    included. (The shapes and ``rep``/``krep`` are the test above's, so the e8m0 side runs the kernels that test
+    compiles.)"""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang._gemm import scales_f32
     g = torch.Generator(device="cuda").manual_seed(1)
-    s = torch.randint(1, 255, (256, 160), device="cuda", generator=g, dtype=torch.uint8).view(Q.E8M0)
+    s = torch.randint(0, 256, (256, 160), device="cuda", generator=g, dtype=torch.uint8)
+    s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
+    s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
+    s = s.view(Q.E8M0)
     want = scales_f32(s, rep=rep, rows=rows, krep=krep)
     got = scales_f32(Q.e8m0_to_float(s), rep=rep, rows=rows, krep=krep)
     assert got.shape == want.shape == ((256 * rep if rows is None else rows), 160 * krep)
