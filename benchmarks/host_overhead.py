@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from functional_dsv41 import kernels, quant as Q  # noqa: E402
 from functional_dsv41.kernels._bench_common import positive_int  # noqa: E402
 from functional_dsv41.linear import align_fp8_weights, linear  # noqa: E402
+from scripts.precompile_kernels import output_shapes  # noqa: E402
 
 
 class _Outputs:
@@ -47,27 +48,12 @@ class _Outputs:
         self.func, self.out_idx = func, list(out_idx or [])
         self.plans = {}
 
-    def _plan(self, args):
-        from tvm import arith, tirx as tir
-        from scripts.precompile_kernels import _DTYPES
-        pf, env = self.func, {}
-        ins = [p for i, p in enumerate(pf.params) if i not in self.out_idx]
-        for p, a in zip(ins, args):
-            buf = pf.buffer_map.get(p)
-            if buf is not None and isinstance(a, torch.Tensor):
-                for dim, n in zip(buf.shape, a.shape):
-                    if isinstance(dim, tir.Var):
-                        env[dim] = int(n)
-        ana = arith.Analyzer()
-        return [([int(ana.simplify(tir.stmt_functor.substitute(d, env))) for d in pf.buffer_map[pf.params[i]].shape],
-                 _DTYPES[str(pf.buffer_map[pf.params[i]].dtype)]) for i in self.out_idx]
-
     def __call__(self, *args):
         _Outputs.launches += 1
         sig = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
         plan = self.plans.get(sig)
         if plan is None:
-            plan = self.plans[sig] = self._plan(args)
+            plan = self.plans[sig] = output_shapes(self.func, self.out_idx, args)
         outs = [torch.empty(shape, dtype=dt, device="meta") for shape, dt in plan]
         return None if not outs else outs[0] if len(outs) == 1 else outs
 

@@ -43,6 +43,30 @@ COMPILED: list[str] = []
 KEYS: list[str] = []        # TileLang cache keys of the kernels compiled or loaded (--keys-out)
 
 
+def output_shapes(prim_func, out_idx, args) -> list[tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of each output (``out_idx``) a kernel's prim_func declares, its dynamic dimensions bound
+    from the shapes of the inputs ``args`` (the kernel's call arguments, outputs left out)."""
+    import tilelang  # noqa: F401  (puts TileLang's tvm on the path)
+    from tvm import arith, tirx as tir
+    outs = list(out_idx or [])
+    ins = [p for i, p in enumerate(prim_func.params) if i not in outs]
+    env = {}
+    for p, a in zip(ins, args):
+        buf = prim_func.buffer_map.get(p)
+        if buf is None or not isinstance(a, torch.Tensor):
+            continue
+        for dim, n in zip(buf.shape, a.shape):
+            if isinstance(dim, tir.Var):
+                env[dim] = int(n)
+    ana = arith.Analyzer()
+    res = []
+    for i in outs:
+        buf = prim_func.buffer_map[prim_func.params[i]]
+        res.append(([int(ana.simplify(tir.stmt_functor.substitute(d, env))) for d in buf.shape],
+                    _DTYPES[str(buf.dtype)]))
+    return res
+
+
 class _NoLaunch:
     """Stands in for a compiled kernel: returns zero outputs with the shapes its prim_func declares, the
     dynamic dimensions bound from the inputs' shapes."""
@@ -51,28 +75,11 @@ class _NoLaunch:
         self.kernel, self.name = kernel, name
 
     def __call__(self, *args):
-        import tilelang  # noqa: F401  (puts TileLang's tvm on the path)
-        from tvm import arith, tirx as tir
-        pf = self.kernel.prim_func
-        outs = list(self.kernel.out_idx or [])
-        ins = [p for i, p in enumerate(pf.params) if i not in outs]
         for a in args:              # a launch reads real storage: catches functorch wrappers reaching a kernel
             if isinstance(a, torch.Tensor):
                 a.data_ptr()
-        env = {}
-        for p, a in zip(ins, args):
-            buf = pf.buffer_map.get(p)
-            if buf is None or not isinstance(a, torch.Tensor):
-                continue
-            for dim, n in zip(buf.shape, a.shape):
-                if isinstance(dim, tir.Var):
-                    env[dim] = int(n)
-        ana = arith.Analyzer()
-        res = []
-        for i in outs:
-            buf = pf.buffer_map[pf.params[i]]
-            shape = [int(ana.simplify(tir.stmt_functor.substitute(d, env))) for d in buf.shape]
-            res.append(torch.zeros(shape, dtype=_DTYPES[str(buf.dtype)]))
+        res = [torch.zeros(shape, dtype=dt) for shape, dt in
+               output_shapes(self.kernel.prim_func, self.kernel.out_idx, args)]
         if not res:
             return None
         return res[0] if len(res) == 1 else res

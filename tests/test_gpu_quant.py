@@ -124,6 +124,15 @@ def test_fp4_act_quant_golden():
         assert torch.equal(_bytes(s).cpu(), _bytes(gd[f"fp4_act_quant.{name}.s"])), name
 
 
+def _every_e8m0_byte(seed: int) -> torch.Tensor:
+    """e8m0 scales [256, 160] on the GPU: random bytes, with rows 0 and 1 holding each of the 256 bytes once."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s = torch.randint(0, 256, (256, 160), device="cuda", generator=g, dtype=torch.uint8)
+    s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
+    s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
+    return s.view(Q.E8M0)
+
+
 @pytest.mark.parametrize("rep,rows,krep", [(1, None, 1), (32, 70, 1), (32, 8192, 1), (1, None, 4), (32, 70, 4)])
 def test_e8m0_expand_bit_exact(rep, rows, krep):
     """The GEMMs' scale operand kernel against Q.e8m0_to_float on every e8m0 byte (0: subnormal 2^-127,
@@ -131,11 +140,7 @@ def test_e8m0_expand_bit_exact(rep, rows, krep):
     column ``krep`` times (group=128 scales spread over their four 32-wide slots: Q.expand_group_scales)."""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang._gemm import scales_f32
-    g = torch.Generator(device="cuda").manual_seed(0)
-    s = torch.randint(0, 256, (256, 160), device="cuda", generator=g, dtype=torch.uint8)
-    s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
-    s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
-    s = s.view(Q.E8M0)
+    s = _every_e8m0_byte(seed=0)
     out = scales_f32(s, rep=rep, rows=rows, krep=krep)
     ref = Q.e8m0_to_float(Q.expand_group_scales(s, 32 * krep)).repeat_interleave(rep, 0)
     ref = ref[: (256 * rep if rows is None else rows)]
@@ -152,11 +157,7 @@ def test_scales_f32_fp32_branch_matches_e8m0(rep, rows, krep):
     compiles.)"""
     _need_tilelang()
     from functional_dsv41.kernels.tilelang._gemm import scales_f32
-    g = torch.Generator(device="cuda").manual_seed(1)
-    s = torch.randint(0, 256, (256, 160), device="cuda", generator=g, dtype=torch.uint8)
-    s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
-    s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
-    s = s.view(Q.E8M0)
+    s = _every_e8m0_byte(seed=1)
     want = scales_f32(s, rep=rep, rows=rows, krep=krep)
     got = scales_f32(Q.e8m0_to_float(s), rep=rep, rows=rows, krep=krep)
     assert got.shape == want.shape == ((256 * rep if rows is None else rows), 160 * krep)

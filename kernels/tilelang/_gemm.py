@@ -135,8 +135,7 @@ def scales_f32(s: torch.Tensor, rep: int = 1, rows: int | None = None, krep: int
         return (out.repeat_interleave(rep, 0)[:rows] if rep > 1 else out[:rows]).contiguous()
     out = torch.empty(rows, KB * krep, dtype=torch.float32, device=s.device)
     if rows:
-        kern = e8m0_expand_kernel(KB, rep, krep=krep) if krep > 1 else e8m0_expand_kernel(KB, rep)
-        kern(s2.contiguous().view(torch.uint8), out)
+        e8m0_expand_kernel(KB, rep, krep=krep)(s2.contiguous().view(torch.uint8), out)
     return out
 
 
