@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import importlib
 import os
-import pkgutil
 import pstats
 import sys
 import time
@@ -34,7 +32,7 @@ import torch  # noqa: E402
 from functional_dsv41 import kernels, quant as Q  # noqa: E402
 from functional_dsv41.kernels._bench_common import positive_int  # noqa: E402
 from functional_dsv41.linear import align_fp8_weights, linear  # noqa: E402
-from scripts.precompile_kernels import output_shapes  # noqa: E402
+from scripts.precompile_kernels import output_shapes, route_to_stand_ins  # noqa: E402
 
 
 class _Outputs:
@@ -65,19 +63,7 @@ def install():
     except Exception as e:
         sys.exit(f"host_overhead.py: tilelang does not import here ({type(e).__name__}: {e}); run `source "
                  f"scripts/local_tilelang_env.sh` first")
-    import functional_dsv41.kernels.tilelang as tl
-    from functional_dsv41.kernels.tilelang import _common
-    stand_in = lambda func, out_idx=None, *a, **k: _Outputs(func, out_idx)   # noqa: E731
-    _common.compile_kernel = stand_in
-    kernels.tilelang_status = lambda: (True, "ok (host_overhead: no launches)")
-    kernels._first_tensor_is_cuda = lambda args, kwargs=None: True
-    kernels._tilelang_op.cache_clear()
-    for m in pkgutil.iter_modules(tl.__path__):
-        mod = importlib.import_module(f"{tl.__name__}.{m.name}")
-        if hasattr(mod, "compile_kernel"):
-            mod.compile_kernel = stand_in
-        if hasattr(mod, "sm_count"):
-            mod.sm_count = lambda device: 132
+    route_to_stand_ins(lambda real: lambda func, out_idx=None, *a, **k: _Outputs(func, out_idx), "host_overhead")
 
 
 def per_call_us(fn, calls: int) -> float:

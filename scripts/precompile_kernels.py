@@ -88,8 +88,6 @@ class _NoLaunch:
 def install():
     """Route ``impl="auto"`` on CPU tensors to the TileLang ops, with launches replaced by ``_NoLaunch``; record
     each kernel's cache key (TileLang's KernelCache._generate_key) in ``KEYS``."""
-    from functional_dsv41 import kernels
-    import functional_dsv41.kernels.tilelang as tl
     from tilelang.cache.kernel_cache import KernelCache
     if not hasattr(KernelCache._generate_key, "recorded"):
         real_key = KernelCache._generate_key
@@ -100,25 +98,35 @@ def install():
             return key
         _generate_key.recorded = True
         KernelCache._generate_key = _generate_key
-    kernels.tilelang_status = lambda: (True, "ok (precompile: no launches)")
+
+    def compile_and_stand_in(real):
+        def compile_kernel(func, *a, **k):
+            t = time.perf_counter()
+            kern = real(func, *a, **k)
+            name = getattr(func, "attrs", {}).get("global_symbol", "?") if hasattr(func, "attrs") else "?"
+            COMPILED.append(f"{name} ({time.perf_counter() - t:.1f} s)")
+            print("  compiled", COMPILED[-1], flush=True)
+            return _NoLaunch(kern, name)
+        return compile_kernel
+    route_to_stand_ins(compile_and_stand_in, "precompile")
+
+
+def route_to_stand_ins(make_compile, who: str) -> None:
+    """Route ``impl="auto"`` on CPU tensors to the TileLang ops: every TileLang module's ``compile_kernel``
+    becomes ``make_compile(real compile_kernel)`` (once: a second call keeps the first's), and ``sm_count`` the
+    H200's 132 SMs (planning only). Shared by ``install`` and benchmarks/host_overhead.py."""
+    from functional_dsv41 import kernels
+    import functional_dsv41.kernels.tilelang as tl
+    kernels.tilelang_status = lambda: (True, f"ok ({who}: no launches)")
     kernels._first_tensor_is_cuda = lambda args, kwargs=None: True
     kernels._tilelang_op.cache_clear()
     for m in pkgutil.iter_modules(tl.__path__):
         mod = importlib.import_module(f"{tl.__name__}.{m.name}")
-        if hasattr(mod, "compile_kernel") and not hasattr(mod.compile_kernel, "no_launch"):
-            real = mod.compile_kernel
-
-            def compile_kernel(func, *a, _real=real, **k):
-                t = time.perf_counter()
-                kern = _real(func, *a, **k)
-                name = getattr(func, "attrs", {}).get("global_symbol", "?") if hasattr(func, "attrs") else "?"
-                COMPILED.append(f"{name} ({time.perf_counter() - t:.1f} s)")
-                print("  compiled", COMPILED[-1], flush=True)
-                return _NoLaunch(kern, name)
-            compile_kernel.no_launch = True
-            mod.compile_kernel = compile_kernel
+        if hasattr(mod, "compile_kernel") and not hasattr(mod.compile_kernel, "stand_in"):
+            mod.compile_kernel = make_compile(mod.compile_kernel)
+            mod.compile_kernel.stand_in = True
         if hasattr(mod, "sm_count"):
-            mod.sm_count = lambda device: 132          # the H200's SMs (planning only)
+            mod.sm_count = lambda device: 132
 
 
 def release_layers(seqs):
@@ -228,9 +236,9 @@ def gemm():
         for cfg in [*bg.GEMM128_CFGS, fg.group_config(4096, N)]:
             kc = dict(cfg)
             fg.kernel_factory(kc.pop("kernel"))(N, K, **kc)
+        # the group=128 wrapper end to end: its scale kernels spread a group's scale (krep=4)
         a, a_s = Q.align_fp8_groups(*Q.act_quant(torch.randn(4096, K).bfloat16(), 32, "ue8m0", Q.E8M0))
-        fg.fp8_gemm(a, a_s, *Q.align_fp8_groups(*Q.quant_fp8_block(torch.randn(N, K) * 0.02)), group=128)   # (its
-        #                                                                     scale kernels spread a group's scale)
+        fg.fp8_gemm(a, a_s, *Q.align_fp8_groups(*Q.quant_fp8_block(torch.randn(N, K) * 0.02)), group=128)
     for cfg in bg.GEMM_PROBE_CFGS:                      # the bench's gemmprobe rows (kernels launched directly)
         kc = dict(cfg)
         fg.kernel_factory(kc.pop("kernel"))(5120, 5120, **kc)
