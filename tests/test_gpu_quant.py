@@ -125,11 +125,13 @@ def test_fp4_act_quant_golden():
 
 
 def _every_e8m0_byte(seed: int) -> torch.Tensor:
-    """e8m0 scales [256, 160] on the GPU: random bytes, with rows 0 and 1 holding each of the 256 bytes once."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    s = torch.randint(0, 256, (256, 160), device="cuda", generator=g, dtype=torch.uint8)
-    s[0] = torch.arange(160, device="cuda", dtype=torch.uint8)
-    s[1, :96] = torch.arange(160, 256, device="cuda", dtype=torch.uint8)
+    """e8m0 scales [256, 160] on DEV: random bytes, with rows 0 and 1 holding each of the 256 bytes once. (On DEV,
+    not "cuda": scripts/precompile_kernels.py's tests mode then reaches, and compiles, the kernels; with "cuda" it
+    did not, and the packed cache lacked the krep=4 ones.)"""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    s = torch.randint(0, 256, (256, 160), device=DEV, generator=g, dtype=torch.uint8)
+    s[0] = torch.arange(160, device=DEV, dtype=torch.uint8)
+    s[1, :96] = torch.arange(160, 256, device=DEV, dtype=torch.uint8)
     return s.view(Q.E8M0)
 
 
