@@ -227,11 +227,16 @@ def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_p: float =
 
 def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """The sampling distribution [..., V] fp32: softmax(logits / T), restricted to the smallest set of
-    tokens whose probability reaches ``top_p`` (nucleus; ties at the edge kept in sorted order), renormalised."""
-    pr = torch.softmax(logits.float() / temperature, -1)
+    tokens whose probability reaches ``top_p`` (nucleus; ties at the edge kept in sorted order), renormalised.
+    The logits are shifted by their maximum before the division, so that a tiny T (below ~1e-38 logits / T
+    overflows fp32, and softmax(inf) is NaN) gives the argmax's one-hot, not a NaN distribution; the most likely
+    token is always kept (a top_p below fp32's smallest subnormal rounds to 0 and used to drop every token)."""
+    x = logits.float()
+    pr = torch.softmax((x - x.amax(-1, keepdim=True)) / temperature, -1)
     if top_p < 1.0:
         sp, si = pr.sort(-1, descending=True)
         drop = (sp.cumsum(-1) - sp) >= top_p                # mass before this token already reaches top_p
+        drop[..., 0] = False
         sp = sp.masked_fill(drop, 0.0)
         pr = torch.zeros_like(pr).scatter(-1, si, sp)
         pr = pr / pr.sum(-1, keepdim=True)

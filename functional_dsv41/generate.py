@@ -44,6 +44,7 @@ from .model import forward
 from .pytree import tree_nbytes
 from .speculative import accept_greedy, accept_sampling, leading, residual, rollback
 from .state import check_state_fits, device_problem, init_state, positive_int
+from .validate import _check_params
 
 
 class GenerateResult(list):
@@ -80,7 +81,8 @@ def _prep_prompts(prompts, cfg: Config, max_new_tokens: int, max_seq_len: Option
     for i, p in enumerate(prompts):
         if isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim == 1:
             p = p.tolist()
-        elif isinstance(p, (str, bytes, torch.Tensor, np.ndarray)) or not hasattr(p, "__iter__"):
+        elif (isinstance(p, (str, bytes, bytearray, memoryview, torch.Tensor, np.ndarray))
+              or not isinstance(p, Sequence)):   # a set or a dict has no token order (a dict gave its keys)
             hint = " - for a single prompt pass [ids]" if _token_id(p, 1 << 62) is not None else ""
             raise ValueError(f"generate: prompts must be a list of token-id lists (one list per prompt); "
                              f"prompt {i} is {p!r}{hint}")
@@ -126,6 +128,7 @@ def generate(params: dict, prompts, *, cfg: Config, max_new_tokens: int, tempera
     prefill chunk (the shortest prompt), as in the reference. Returns a ``GenerateResult``.
     """
     require_config(cfg, "generate")
+    _check_params(params, cfg, "generate")      # before reading params' device, Engram map or stages
     prompts, total = _prep_prompts(prompts, cfg, max_new_tokens, max_seq_len)
     if stream is not None and not callable(stream):
         raise TypeError(f"generate: stream must be a callable (called with each step's tokens), got "

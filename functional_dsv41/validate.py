@@ -160,6 +160,11 @@ def _check_params(params, cfg: Config, where: str = "forward") -> None:
     if not isinstance(params, dict):
         raise TypeError(f"{where}: params must be the parameter tree (a dict, fd.init_params / fd.load_params), "
                         f"got {type(params).__name__}")
+    for key in ("layers", "mtp"):       # a dict of "0", "1", ... has the same paths, then fails with KeyError 0
+        if key in params and not isinstance(params[key], (list, tuple)):
+            raise TypeError(f"{where}: params[{key!r}] must be a list (one subtree a "
+                            f"{'layer' if key == 'layers' else 'DSpark stage'}, as fd.init_params and "
+                            f"fd.load_params build it), got {type(params[key]).__name__}")
     n = len(params.get("layers", ()))
     if n != cfg.n_layers:
         raise ValueError(f"{where}: params have {n} layers, config has {cfg.n_layers}")

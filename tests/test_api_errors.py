@@ -127,6 +127,47 @@ def test_generate_prompt_refusals(model):
     for t, p in ((float("nan"), 1.0), (-1.0, 1.0), (1.0, float("nan")), (1.0, 0.0), ("1", 1.0)):
         with pytest.raises(ValueError, match="temperature >= 0 and 0 < top_p <= 1"):
             fd.generate(params, [[0, 1]], cfg=cfg, max_new_tokens=1, temperature=t, top_p=p)
+    # byte strings, sets and dicts are iterable but not token sequences: bytearray ran as its byte values, a set in
+    # its hash order, a dict as its keys
+    for bad in (bytearray(b"hi"), memoryview(b"hi"), {5, 3, 1}, {1: "a", 2: "b"}, iter([1, 2])):
+        with pytest.raises(ValueError, match="list of token-id lists.*prompt 0 is"):
+            fd.generate(params, [bad], cfg=cfg, max_new_tokens=1)
+    assert fd.generate(params, [range(3), (0, 1, 2)], cfg=cfg, max_new_tokens=1)[0] == \
+        fd.generate(params, [[0, 1, 2]], cfg=cfg, max_new_tokens=1)[0]
+
+
+def test_generate_checks_params_before_reading_them(model):
+    """generate read params' device, Engram map and stages first: None gave "argument of type 'NoneType' is not
+    iterable", a tree without the embedding KeyError 'embed'. Now forward's own check names the problem."""
+    cfg, params = model
+    with pytest.raises(TypeError, match=r"generate: params must be the parameter tree .* got NoneType"):
+        fd.generate(None, [[0, 1]], cfg=cfg, max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"generate: params do not match the config .*embed\.weight is missing"):
+        fd.generate({k: v for k, v in params.items() if k != "embed"}, [[0, 1]], cfg=cfg, max_new_tokens=1)
+
+
+def test_layers_held_as_a_dict_are_refused_by_name(model):
+    """A ``layers`` dict keyed "0", "1", ... flattens to the same paths as the list, so the path check passed and
+    forward failed with KeyError 0."""
+    cfg, params = model
+    batch = {"input_ids": torch.tensor([[1, 2]])}
+    q = {**params, "layers": {str(i): layer for i, layer in enumerate(params["layers"])}}
+    with pytest.raises(TypeError, match=r"forward: params\['layers'\] must be a list .* got dict"):
+        fd.forward(q, batch, cfg=cfg)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1e-45, 1.0), (1e-30, 1.0), (1.0, 1e-300), (1e-45, 1e-300)])
+def test_extreme_sampling_settings_sample_the_argmax(model, temperature, top_p):
+    """Settings sampling_ok accepts but fp32 cannot hold: logits / 1e-45 overflowed to inf (softmax NaN), and a
+    top_p below fp32's smallest subnormal rounded to 0 and dropped every token; torch.multinomial then raised. Both
+    limits are the argmax: the greedy tokens."""
+    from functional_dsv41.dspark import probs
+    cfg, params = model
+    logits = torch.tensor([[0.5, 3.0, -2.0, 2.999]])
+    pr = probs(logits, temperature, top_p)
+    assert torch.equal(pr, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), pr
+    greedy = fd.generate(params, [[0, 1, 2]], cfg=cfg, max_new_tokens=3)
+    assert fd.generate(params, [[0, 1, 2]], cfg=cfg, max_new_tokens=3, temperature=temperature, top_p=top_p) == greedy
 
 
 # ----------------------------------------------------------------------------- the CLI
