@@ -183,7 +183,8 @@ class TrainCheckpointer:
         # orbax also skips, without a word, every step at or below its newest one (a loop restarted from step 0
         # in a folder that holds step 100 would save nothing)
         newest = max([*self.manager.all_steps(),
-                      *(int(n) for n in os.listdir(self.directory) if n.isdigit())], default=None)
+                      *(int(n) for n in os.listdir(self.directory)   # (a stray file named "100" is no step)
+                        if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))], default=None)
         if newest is not None and int(step) < newest:
             raise ValueError(f"TrainCheckpointer.save: step {int(step)} is older than step {newest}, already saved "
                              f"in {self.directory} (orbax would skip it silently); save under a later step or "

@@ -131,6 +131,19 @@ def test_scalars_repeated_steps_and_bad_data_state(tmp_path):
     ck.close()
 
 
+def test_a_stray_numeric_file_is_not_a_newer_step(tmp_path):
+    """A file named "100" beside the step folders (not a checkpoint) made every later save fail as "older than step
+    100, already saved", which a resumed run then told the user to fix by freeing space."""
+    ck = TrainCheckpointer(str(tmp_path), async_save=False)
+    opt = {"count": 0, "mu": {}, "nu": {}}
+    ck.save(3, params={"w": torch.zeros(3)}, opt_state=opt, data_state={})
+    (tmp_path / "100").write_text("x")
+    ck.save(4, params={"w": torch.ones(3)}, opt_state=opt, data_state={})
+    assert ck.all_steps() == [3, 4] and torch.equal(ck.restore(4)["params"]["w"], torch.ones(3))
+    assert (tmp_path / "100").read_text() == "x"
+    ck.close()
+
+
 def _truncate_largest_array_file(step_dir):
     """Damage a checkpoint the way a full disk or a killed copy does: its largest array file cut to 10 bytes."""
     files = [os.path.join(d, n) for d, _, ns in os.walk(os.path.join(step_dir, "state")) for n in ns]

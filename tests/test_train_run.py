@@ -482,7 +482,18 @@ _OOM = {"allocator": (torch.OutOfMemoryError, "CUDA out of memory. Tried to allo
                                              "memory, this process has 78.0 GiB memory in use.",
                       "CUDA out of memory. Tried to allocate 20.00 GiB"),
         "cublas": (RuntimeError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-                   "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")}
+                   "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+        "cpu": (RuntimeError, None, "DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                    "4611686018427387904 bytes. Error code 12 (Cannot allocate memory)")}     # None: torch's own message, raised below
+
+
+def _cpu_alloc_error() -> str:
+    """What torch's CPU allocator raises when malloc refuses (4 EiB: refused on any machine)."""
+    try:
+        torch.empty(1 << 62, dtype=torch.uint8)
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("a 4 EiB CPU allocation succeeded")
 
 
 @pytest.mark.parametrize("kind", list(_OOM))
@@ -492,6 +503,7 @@ def test_out_of_memory_stops_with_message_and_resumes(tmp_path, monkeypatch, cap
     goes on. Another RuntimeError still propagates."""
     real = S.make_step
     exc, text, shown = _OOM[kind]
+    text = text or _cpu_alloc_error()
 
     def make_step(*a, **k):
         step = real(*a, **k)

@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -164,17 +165,21 @@ def greedy_sample(params, cfg: fd.Config, prompt_ids: list[int], n: int, eos: in
 
 
 def _out_of_memory(e: BaseException) -> bool:
-    """Whether ``e`` says the device ran out of memory: torch's allocator raises ``torch.OutOfMemoryError``; a
-    library that allocates for itself raises a RuntimeError naming it (cuBLAS: "CUBLAS_STATUS_ALLOC_FAILED")."""
+    """Whether ``e`` says the device ran out of memory: torch's CUDA allocator raises ``torch.OutOfMemoryError``; a
+    library that allocates for itself raises a RuntimeError naming it (cuBLAS: "CUBLAS_STATUS_ALLOC_FAILED"), and so
+    does torch's CPU allocator when malloc refuses ("DefaultCPUAllocator: can't allocate memory"). (A CPU process
+    that the kernel's out-of-memory killer ends gets no chance to say anything.)"""
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA out of memory",
-                                                                   "cudaErrorMemoryAllocation")))
+                                                                   "cudaErrorMemoryAllocation",
+                                                                   "DefaultCPUAllocator: can't allocate memory")))
 
 
 def _first_sentences(e: BaseException, n: int = 2, width: int = 160) -> str:
     """The first ``n`` sentences of an exception's message, for a one-line report (CUDA's out-of-memory text runs on:
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...")."""
     text = " ".join(str(e).split()) or type(e).__name__
+    text = re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", text)   # c10's prefix: "[enforce fail at f.cpp:1] err == 0. "
     head = ". ".join(text.split(". ")[:n])
     return head if len(head) <= width else head[:width - 3] + "..."
 
