@@ -76,8 +76,16 @@ def require_config(cfg, who: str) -> None:
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a crash leaves the old file or
-    the new one, never a torn one (``Config.to_json`` and train/run.py's record files)."""
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    the new one, never a torn one (``Config.to_json`` and train/run.py's record files). A target that is a folder, or
+    whose folder is missing or a file, is refused by its own name (OSError named the temporary file)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"cannot write {path}: it is a folder, not a file")
+    if not os.path.isdir(parent):
+        raise (NotADirectoryError if os.path.exists(parent) else FileNotFoundError)(
+            f"cannot write {path}: {parent} {'is a file, not a folder' if os.path.exists(parent) else 'does not exist'}")
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)

@@ -353,13 +353,16 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def _add_token_map(params: dict, path: Path, cfg: Config, tokenizer) -> None:
+    if tokenizer is not None:           # checked even where no Engram layer reads it: a wrong path is a mistake
+        tok = Path(tokenizer)
+        if tok.is_dir():
+            raise IsADirectoryError(f"load_params: tokenizer {tok} is a folder: pass its tokenizer.json")
+        if not tok.is_file():
+            raise FileNotFoundError(f"load_params: tokenizer {tok} does not exist"
+                                    + (" (the Engram token map needs it)" if cfg.engram_layer_ids else ""))
     if not cfg.engram_layer_ids:
         return
-    if tokenizer is not None:
-        tok = Path(tokenizer)
-        if not tok.is_file():
-            raise FileNotFoundError(f"load_params: tokenizer {tok} does not exist (the Engram token map needs it)")
-    else:
+    if tokenizer is None:
         tok = (path if path.is_dir() else path.parent) / "tokenizer.json"
         if not tok.is_file():
             return

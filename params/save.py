@@ -49,6 +49,9 @@ def save_params(params, path, cfg: Config, *, max_shard_bytes: float = 5e9) -> l
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"save_params: {path} is a file; save_params writes a folder (config.json, "
                               f"*.safetensors): pass a folder path", [])
+    above = next((a for a in path.parents if a.exists()), None)     # the nearest existing folder above it
+    if above is not None and not above.is_dir():
+        raise CheckpointError(f"save_params: cannot make the folder {path}: {above} is a file, not a folder", [])
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, (int, float)) or \
             not max_shard_bytes > 0:
         raise CheckpointError(f"save_params: max_shard_bytes must be a number > 0, got {max_shard_bytes!r}", [])

@@ -455,6 +455,11 @@ def test_tree_diff_atol_and_save_params_arguments(tmp_path, model):
     with pytest.raises(ValueError, match=r"out\.safetensors is a file; save_params writes a folder"):
         fd.save_params(params, f, cfg)
     assert f.read_bytes() == b"mine"
+    # a folder to make below a file: pathlib's bare NotADirectoryError before
+    with pytest.raises(ValueError, match=r"cannot make the folder .*out\.safetensors/a/b: .*out\.safetensors is a "
+                                         r"file, not a folder"):
+        fd.save_params(params, f / "a" / "b", cfg)
+    assert f.read_bytes() == b"mine"
     with pytest.raises(ValueError, match="max_shard_bytes must be a number > 0, got '5e9'"):
         fd.save_params(params, tmp_path / "ck", cfg, max_shard_bytes="5e9")
     assert not (tmp_path / "ck").exists()

@@ -469,6 +469,14 @@ def test_token_map_checked(tmp_path):
     cfg = fd.Config.from_json(d / "config.json")
     with pytest.raises(FileNotFoundError, match="tokenizer .*nope.json does not exist"):
         fd.load_params(d, cfg, tokenizer=tmp_path / "nope.json")
+    with pytest.raises(IsADirectoryError, match="tokenizer .* is a folder: pass its tokenizer.json"):
+        fd.load_params(d, cfg, tokenizer=d)          # (it said the folder did not exist)
+    # a config without Engram layers reads no tokenizer, but a path that is not there is still a mistake (it was
+    # ignored)
+    plain = fd.Config.tiny(engram_layer_ids=(), engram_num_embeddings=())
+    fd.save_params(fd.init_params(plain, seed=0), tmp_path / "plain", plain)
+    with pytest.raises(FileNotFoundError, match="tokenizer .*nope.json does not exist$"):
+        fd.load_params(tmp_path / "plain", plain, tokenizer=tmp_path / "nope.json")
     bad = cfg.replace(engram_compressed_vocab_size=cfg.engram_compressed_vocab_size - 1)
     with pytest.raises(ValueError, match="compressed classes"):
         fd.load_params(d, bad)

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -54,6 +55,18 @@ def test_to_json_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="simulated"):
         Config.tiny(dtype="fp8").to_json(path)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["config.json"]
+
+
+def test_to_json_names_its_target_when_it_cannot_be_written(tmp_path):
+    """A folder as the target, or a file or nothing where its folder should be: the error named the temporary
+    file ('/tmp.tmp-1065' -> '/tmp'), not the path the caller gave. Nothing is left behind."""
+    (tmp_path / "afile").write_text("x")
+    for target, exc, says in ((tmp_path, IsADirectoryError, "it is a folder, not a file"),
+                              (tmp_path / "afile" / "c.json", NotADirectoryError, "afile is a file, not a folder"),
+                              (tmp_path / "nope" / "c.json", FileNotFoundError, "nope does not exist")):
+        with pytest.raises(exc, match=f"cannot write {re.escape(str(target))}: .*{says}"):
+            Config.tiny().to_json(target)
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and (tmp_path / "afile").read_text() == "x"
 
 
 def test_flash_release_values():
