@@ -133,6 +133,28 @@ def test_dspark_forward_matches_draft():
     assert float((r.confidence[:, 1] - g[f"decode.{k}.spec.confidence"]).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 5, 8, 11])
+def test_draft_matches_dspark_forward_before_and_after_the_window_fills(n):
+    """The decode draft after an n-token prompt equals the stateless teacher-forced one at anchor p = n - 1, on
+    both sides of the window (W = 8: p = 1, 4, 7 leave ring slots unwritten, p = 10 wraps). The golden test above
+    drafts only past the window, so a draft that dropped the newest main-KV row of a part-filled ring (ring
+    slots ``<= p`` visible, not ``< p``) passed every test: speculative == greedy cannot see a draft's error, it
+    only lowers the acceptance rate."""
+    cfg, params = _tiny_model()
+    assert cfg.window_size == 8
+    ids = torch.randint(3, 500, (2, n + 1), generator=torch.Generator().manual_seed(n))
+    o = fd.forward(params, {"input_ids": ids[:, :n]}, cfg=cfg, state=init_state(cfg, 2, 32))
+    st = dspark.dspark_prefill(params, o.main_hidden, cfg=cfg, state=o.state)
+    d = dspark.dspark_draft(params, ids[:, n], o.main_hidden[:, -1:], cfg=cfg, state=st)
+    seq = torch.cat([ids[:, :n], d.out_ids], 1)                 # the prompt, the given token, the drafted ones
+    mh = fd.forward(params, {"input_ids": seq}, cfg=cfg).main_hidden
+    r = dspark.dspark_forward(params, mh, seq, cfg=cfg, anchors=torch.tensor([n - 1]))
+    assert torch.equal(r.targets[:, 0], d.out_ids[:, 1:])             # the targets are the drafted tokens
+    err = float((r.logits[:, 0] - d.logits).abs().max())
+    assert err <= 1e-5 * float(d.logits.abs().max()), err
+    assert float((r.confidence[:, 0] - d.confidence).abs().max()) < 1e-5
+
+
 def test_dspark_forward_packed_and_differentiable():
     cfg = fd.Config.tiny()
     params = fd.init_params(cfg, seed=1)
