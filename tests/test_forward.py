@@ -124,6 +124,61 @@ def test_moe_sorted_and_dense_dispatch_agree():
     assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.parametrize("score_func, gate_temp, norm", [
+    ("sqrtsoftplus", 1.0, True), ("sqrtsoftplus", 0.5, False), ("softmax", 2.0, True), ("softmax", 1.0, False),
+    ("sigmoid", 0.7, True), ("sigmoid", 1.0, False)])
+def test_router_follows_spec_for_every_score_function(score_func, gate_temp, norm):
+    """SPEC §8's router, written out here with torch's own functions: l = x W_g^T / gate_temp; s = sqrt(softplus(l))
+    (or softmax over the experts, or sigmoid); the top k of s + bias; w = s at those experts, renormalised when
+    norm_topk_prob, times route_scale. Only the release's sqrtsoftplus with gate_temp 1 had a numeric test: a
+    softmax over the tokens, a sigmoid of -l or l * gate_temp passed every test."""
+    from functional_dsv41 import moe
+    cfg = fd.Config.tiny(score_func=score_func, gate_temp=gate_temp, norm_topk_prob=norm)
+    L = next(L for L in cfg.layer_ids if cfg.moe_experts(L)[1] > 1)
+    E, k = cfg.moe_experts(L)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, cfg.dim, generator=g).bfloat16()
+    gate = {"weight": torch.randn(E, cfg.dim, generator=g).bfloat16() * 0.05, "bias": torch.randn(E, generator=g) * 0.1}
+    w, idx = moe.route(x, gate, cfg=cfg, layer_id=L)
+    logits = (x.double() @ gate["weight"].double().T) / gate_temp
+    s = {"sqrtsoftplus": lambda l: torch.nn.functional.softplus(l).sqrt(), "softmax": lambda l: l.softmax(-1),
+         "sigmoid": torch.sigmoid}[score_func](logits)
+    want_idx = (s + gate["bias"].double()).topk(k, -1).indices
+    want = s.gather(-1, want_idx)
+    if norm:
+        want = want / want.sum(-1, keepdim=True)
+    assert torch.equal(idx.sort(-1).values, want_idx.sort(-1).values)
+    torch.testing.assert_close(w.double(), want * cfg.route_scale, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("iters", [20, 3])
+def test_hc_mixes_follow_spec_with_the_configs_sinkhorn_iterations(iters):
+    """SPEC §2's mixes and split written out in fp64 with torch's own functions, with the config's
+    hc_sinkhorn_iters. The kernel tests pin hc_split_sinkhorn with an explicit iteration count, and the golden
+    blocks' cosine bound absorbed half the iterations (comb off by ~0.01), so nothing checked that hc_mixes
+    passes the config's count."""
+    from functional_dsv41.hyper import hc_mixes
+    cfg = fd.Config.tiny(hc_sinkhorn_iters=iters)
+    hc, g = cfg.hc_mult, torch.Generator().manual_seed(5)
+    h = torch.randn(2, 3, hc, cfg.dim, generator=g).bfloat16()
+    fn = torch.randn((2 + hc) * hc, hc * cfg.dim, generator=g) * 0.05
+    scale, base = torch.tensor([0.7, 1.3, 2.0]), torch.randn((2 + hc) * hc, generator=g)
+    pre, post, comb = hc_mixes(h, fn, scale, base, cfg=cfg)
+    v = h.flatten(-2).double()
+    m = (v @ fn.double().T) * torch.rsqrt(v.square().mean(-1, keepdim=True) + cfg.norm_eps)
+    sc, bs, eps = scale.double(), base.double(), cfg.hc_eps
+    want_pre = torch.sigmoid(m[..., :hc] * sc[0] + bs[:hc]) + eps
+    want_post = 2 * torch.sigmoid(m[..., hc:2 * hc] * sc[1] + bs[hc:2 * hc])
+    c = (m[..., 2 * hc:] * sc[2] + bs[2 * hc:]).unflatten(-1, (hc, hc)).softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    for got, want in ((pre, want_pre), (post, want_post), (comb, c)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_moe_grouped_experts_equal_the_per_expert_loop(monkeypatch):
     """fp4 routed experts in reference mode run as grouped GEMMs (moe.experts_grouped): the logits are bitwise
     those of one expert call per active expert, and of the dense dispatch."""
