@@ -155,6 +155,19 @@ def test_draft_matches_dspark_forward_before_and_after_the_window_fills(n):
     assert float((r.confidence[:, 0] - d.confidence).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("top_p, kept", [(1.0, 4), (0.95, 3), (0.75, 2), (0.6, 2), (0.45, 1), (0.3, 1)])
+def test_nucleus_keeps_the_token_that_reaches_top_p(top_p, kept):
+    """probs(top_p): the smallest set of most likely tokens whose mass reaches top_p, renormalised; the token
+    whose mass crosses top_p is kept. Only determinism and the extremes were tested: dropping that token
+    (cumsum >= top_p instead of the mass before it) passed."""
+    p = torch.tensor([0.15, 0.5, 0.05, 0.3], dtype=torch.float64)
+    order = [1, 3, 0, 2]                                            # most likely first
+    pr = dspark.probs(p.log().float()[None], 1.0, top_p)[0].double()
+    want = torch.zeros(4, dtype=torch.float64)
+    want[order[:kept]] = p[order[:kept]] / p[order[:kept]].sum()
+    torch.testing.assert_close(pr, want, rtol=1e-6, atol=1e-7)
+
+
 def test_dspark_forward_packed_and_differentiable():
     cfg = fd.Config.tiny()
     params = fd.init_params(cfg, seed=1)
