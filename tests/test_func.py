@@ -147,6 +147,32 @@ def test_qat_fake_quantises_fp8_layers_and_remat_keeps_gradients():
         torch.testing.assert_close(g_remat[k], g_plain[k], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_qat_linear_is_the_release_linear_with_straight_through_gradients(fmt):
+    """mode="qat" on a float master weight: forward = the release's linear on the weight quantised to its storage
+    format (fp8 activations in 1 x 32 blocks, the block-scaled GEMM); backward = straight through both fake
+    quantisers: dL/dx = g fq(W), dL/dW = g^T fq(x). The QAT tests checked only qat != dequant and nonzero
+    gradients, so a QAT without the activation quantiser, or straight-through gradients halved, passed."""
+    from functional_dsv41 import quant
+    from functional_dsv41.linear import linear
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(64, 128, generator=gen) * 0.05).requires_grad_()
+    x = torch.randn(3, 5, 128, generator=gen).requires_grad_()
+    y = linear(x, {"weight": w}, mode="qat", fake=fmt)
+    with torch.no_grad():
+        stored = dict(zip(("weight", "scale"), quant.quant_fp8_block(w) if fmt == "fp8" else quant.quant_fp4(w)))
+        release = linear(x.bfloat16(), stored, mode="reference").float()
+        xq = quant.act_quant_dequant(x.bfloat16()).float()
+        wq = quant.dequant_fp8_block(*quant.quant_fp8_block(w), torch.float32) if fmt == "fp8" else \
+            quant.dequant_fp4(*quant.quant_fp4(w), torch.float32)
+    torch.testing.assert_close(y, xq @ wq.T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, release, rtol=8e-3, atol=1e-4)         # (the release's GEMM writes bf16)
+    gy = torch.randn(y.shape, generator=gen)
+    gx, gw = torch.autograd.grad(y, (x, w), gy)
+    torch.testing.assert_close(gx, gy @ wq, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, gy.flatten(0, 1).T @ xq.flatten(0, 1), rtol=1e-5, atol=1e-5)
+
+
 def test_grad_through_a_decode_state_equals_the_stateless_grad():
     """Differentiating two chunks joined by a DecodeState gives the gradient of one forward over the whole
     sequence (the values are bit-identical). The compressed-KV history used to be appended in place under
