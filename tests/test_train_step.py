@@ -146,6 +146,65 @@ def test_per_token_ce_any_number_of_leading_dims():
         L.per_token_ce(torch.zeros(2, 4, 11), torch.zeros(4, 2, dtype=torch.long))
 
 
+def test_indexer_kl_is_the_kl_of_the_renormalised_teacher_over_counted_rows():
+    """indexer_kl written out row by row: per query token with at least one valid slot (and not masked), p = the
+    teacher summed over heads at the valid slots, renormalised; q = softmax of the student over the same slots;
+    KL(p || q) = sum p log(p / q); the mean over those tokens. A mean diluted by rows without a valid slot or by
+    masked tokens, or a cross-entropy in place of the KL (the same gradient, another value), passed before."""
+    from functional_dsv41.train import loss as L
+    g = torch.Generator().manual_seed(1)
+    b, s, H, k = 2, 4, 3, 5
+    t, st = torch.rand(b, s, H, k, generator=g), torch.randn(b, s, k, generator=g)
+    valid = torch.rand(b, s, k, generator=g) > 0.3
+    valid[0, 1] = False                                  # a token with no valid slot: not counted
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 3] = False                                   # a masked (padding) token: not counted
+    kls = []
+    for i in range(b):
+        for j in range(s):
+            v = valid[i, j]
+            if not v.any() or not mask[i, j]:
+                continue
+            p = t[i, j].double().sum(0)[v]
+            p = p / p.sum()
+            q = st[i, j].double()[v].softmax(-1)
+            kls.append(float((p * (p / q).log()).sum()))
+    assert len(kls) == b * s - 2
+    got = L.indexer_kl({3: {"teacher": t, "student": st, "valid": valid}}, token_mask=mask)
+    assert abs(float(got) - sum(kls) / len(kls)) < 1e-6, (float(got), sum(kls) / len(kls))
+
+
+def test_indexer_kl_teacher_is_the_attentions_probability_on_the_selected_compressed_slots():
+    """attention.indexer_kl_terms' teacher written out: per head, exp(q.kv_t * scale) over the attention's whole
+    denominator (every attended slot, window and compressed, plus exp(sink)), at the k compressed slots, which
+    follow the window's in idx; -1 slots take no probability. Only its shape, detachment and sum <= 1 were
+    tested: the window's slots in place of the compressed ones, or a softmax without the sink, passed."""
+    from functional_dsv41.attention import indexer_kl_terms
+    g = torch.Generator().manual_seed(2)
+    b, s, H, D, n_win, n_comp, k = 1, 3, 2, 8, 4, 6, 3
+    q = torch.randn(b, s, H, D, generator=g)
+    kv_all = torch.randn(b, n_win + n_comp, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    topk = torch.tensor([[[0, 2, 5], [1, -1, 4], [3, 0, -1]]])
+    widx = torch.tensor([[[0, 1, -1, 3], [0, 1, 2, 3], [-1, 1, 2, 3]]])
+    idx = torch.cat([widx, torch.where(topk >= 0, topk + n_win, -1)], -1)
+    student = torch.randn(b, s, n_comp, generator=g)
+    out = indexer_kl_terms(q, kv_all, sink, idx, topk, student, D ** -0.5)
+    want = torch.zeros(b, s, H, k, dtype=torch.float64)
+    for j in range(s):
+        for h in range(H):
+            e = {t: float(torch.dot(q[0, j, h].double(), kv_all[0, t].double()) * D ** -0.5)
+                 for t in idx[0, j].tolist() if t >= 0}
+            den = sum(torch.tensor(x).exp() for x in e.values()) + sink[h].double().exp()
+            for c in range(k):
+                t = int(idx[0, j, n_win + c])
+                if t >= 0:
+                    want[0, j, h, c] = torch.tensor(e[t]).exp() / den
+    torch.testing.assert_close(out["teacher"].double(), want, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out["valid"], topk >= 0)
+    assert torch.equal(out["student"], student.gather(-1, topk.clamp_min(0)))
+
+
 def test_indexer_kl_averages_over_the_layers_that_count_a_token():
     """A layer whose query tokens all have no valid slot (or are masked) added 0 to the mean over layers and
     halved the others' (a review helper's probe); it is left out of the mean."""
