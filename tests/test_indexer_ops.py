@@ -151,6 +151,10 @@ def test_ops_equal_old_model_code(name, ties):
 def test_topk_ties_empty_rows_and_short_rows():
     x = torch.tensor([[1.0, 2.0, 2.0, -0.0, 0.0, 2.0, float("-inf"), 1.0]]).bfloat16()[None]
     assert K.index_topk(x, 3, impl="torch").tolist() == [[[1, 2, 5]]]
+    # ties across the k boundary: the lower index wins (at k = 3, 5, 7 no tie straddles it)
+    assert K.index_topk(x, 2, impl="torch").tolist() == [[[1, 2]]]                 # three 2.0s, two places
+    assert K.index_topk(x, 4, impl="torch").tolist() == [[[0, 1, 2, 5]]]           # two 1.0s, one place
+    assert K.index_topk(x, 6, impl="torch").tolist() == [[[0, 1, 2, 3, 5, 7]]]     # -0 and +0, one place
     assert K.index_topk(x, 5, impl="torch").tolist() == [[[0, 1, 2, 5, 7]]]
     assert K.index_topk(x, 7, impl="torch").tolist() == [[[0, 1, 2, 3, 4, 5, 7]]]       # -0 and +0 tie
     assert K.index_topk(x, 16, impl="torch").tolist() == [[[0, 1, 2, 3, 4, 5, 7, -1]]]  # n < k, -inf -> -1
