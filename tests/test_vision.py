@@ -122,6 +122,17 @@ def test_plan_and_resize_basics():
     assert (ip.resize_bicubic(flat, (20, 5)) == 77).all()          # normalised kernels keep constants
     out = ip.pad_to(flat, 28, 28)
     assert out.shape == (28, 28, 3) and (out[0] == ip.PAD_COLOR).all()
+    # centred as ImageOps.pad does, at Python round(slack / 2) (half to even): slack 3 -> 2, 5 -> 2, 7 -> 4; a
+    # floor division (1, 2, 3) passed before
+    img = np.full((20, 10, 3), 200, np.uint8)
+    for best_w, x0 in ((13, 2), (15, 2), (17, 4)):
+        out = ip.pad_to(img, best_w, 20)
+        cols = (out[0, :, 0] == 200).nonzero()[0]
+        assert (cols[0], cols[-1]) == (x0, x0 + 9), (best_w, cols)
+        assert (out[:, :x0] == ip.PAD_COLOR).all() and (out[:, x0 + 10:] == ip.PAD_COLOR).all()
+    tall = np.full((10, 20, 3), 200, np.uint8)           # the same along the height
+    rows = (ip.pad_to(tall, 20, 17)[:, 0, 0] == 200).nonzero()[0]
+    assert (rows[0], rows[-1]) == (4, 13)
 
 
 # --------------------------------------------------------------------------------------- ViT + aligner
