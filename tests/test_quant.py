@@ -100,6 +100,22 @@ def test_round_trip_catches_a_wrong_format():
     assert not torch.equal(quant.dequant_fp8_block(q2, s2, torch.float32), v)
 
 
+def test_fp8_block_scales_follow_spec_down_to_zero_blocks():
+    """SPEC §10.1's weight scale: amax = max(|x|, 1e-4) over a 32 x 32 block, s = 2^ceil(log2(amax / 448)), stored
+    as the e8m0 byte 127 + log2(s). An all-zero or tiny block thus gets byte 105 (a 1e-6 floor, 99, passed before:
+    nothing checked the scale bytes of such blocks)."""
+    import math
+    w = torch.zeros(32, 128)
+    w[:, 32:64] = 1e-6                                   # below the floor
+    w[3, 64] = 3.0                                       # one value sets its block's amax
+    w[:, 96:] = torch.linspace(-200.0, 448.0, 32 * 32).view(32, 32)
+    q, s = quant.quant_fp8_block(w)
+    want = [127 + math.ceil(math.log2(max(a, 1e-4) / 448)) for a in (0.0, 1e-6, 3.0, 448.0)]
+    assert want == [105, 105, 120, 127]
+    assert s.view(torch.uint8).tolist() == [want]
+    assert (quant.dequant_fp8_block(q, s, torch.float32)[:, :32] == 0).all()
+
+
 def test_dequantisers_refuse_a_scale_of_another_layout():
     """A scale of the wrong layout or dtype is an error naming it, not silently wrong values: 1x32 row scales
     given for a 32x32-block weight were sliced into place, float scales read as exponent bytes, and
