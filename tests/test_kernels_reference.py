@@ -44,6 +44,23 @@ def test_fp8_gemm():
     assert _within_ulp(c, g["fp8_gemm.c"])
 
 
+def test_fp8_gemm_sums_its_k_blocks_in_k_order():
+    """SPEC §10.3's summation: each 32-wide K block's product, scaled, added to an fp32 accumulator in K order.
+    Block partials 1, 2^27, -2^27 (scales 2^13 x 2^14 on the last two) sum to 0 in that order (1 + 2^27 rounds to
+    2^27) and to 1 in the reverse one, which the fp8 fixture (within one ulp) did not tell apart."""
+    a = torch.zeros(1, 96)
+    b = torch.zeros(1, 96)
+    a[0, [0, 32, 64]] = 1.0
+    b[0, [0, 32, 64]] = torch.tensor([1.0, 1.0, -1.0])
+    a_s, b_s = torch.tensor([[1.0, 2.0 ** 13, 2.0 ** 13]]), torch.tensor([[1.0, 2.0 ** 14, 2.0 ** 14]])
+
+    def gemm(a, a_s, b, b_s):
+        return reference.fp8_gemm(a.to(Q.FP8), Q.float_to_e8m0(a_s), b.to(Q.FP8), Q.float_to_e8m0(b_s), Q.E8M0, 32,
+                                  torch.float32).tolist()
+    assert gemm(a, a_s, b, b_s) == [[0.0]]
+    assert gemm(a.flip(-1), a_s.flip(-1), b.flip(-1), b_s.flip(-1)) == [[1.0]]    # -2^27 + 2^27 + 1
+
+
 def test_fp4_gemm():
     g = golden("kernels")
     b = g["fp4_gemm.b_packed"].view(torch.float4_e2m1fn_x2)
