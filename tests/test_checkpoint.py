@@ -209,11 +209,20 @@ def test_sharded_round_trip_and_layout_switch(tmp_path):
     files = fd.save_params(p, tmp_path, cfg, max_shard_bytes=400_000)
     names = sorted(os.listdir(tmp_path))
     assert names[-1] == "model.safetensors.index.json" and len(files) == len(names) >= 4
-    assert all(n.startswith("model-") and n.endswith(f"-of-{len(names) - 1:05d}.safetensors") for n in names[:-1])
-    wmap = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    n = len(names) - 1                                  # the released naming: 1-based, zero-padded to 5 digits
+    assert names[:-1] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    total = sum(t.numel() * t.element_size() for t in fd.flatten_with_paths(p).values())
+    assert index["metadata"]["total_size"] == total     # bytes, not elements (what loaders pre-allocate by)
+    assert sum(os.path.getsize(tmp_path / f) for f in names[:-1]) > total
+    wmap = index["weight_map"]
     assert set(wmap) == set(fd.flatten_with_paths(fd.param_spec(cfg)))
     back = fd.load_params(tmp_path, cfg)
     assert fd.tree_diff(p, back, atol=0).ok
+    # max_shard_bytes is the largest shard allowed: a tree of exactly that many bytes is one file
+    one = tmp_path.parent / (tmp_path.name + "-exact")
+    assert [os.path.basename(f) for f in fd.save_params(p, one, cfg, max_shard_bytes=total)] == ["model.safetensors"]
+    assert len(fd.save_params(p, tmp_path.parent / (tmp_path.name + "-less"), cfg, max_shard_bytes=total - 1)) > 1
     # a single-file save into the same folder replaces the sharded checkpoint entirely
     p2 = fd.init_params(cfg, seed=6)
     fd.save_params(p2, tmp_path, cfg)

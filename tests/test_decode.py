@@ -30,14 +30,17 @@ def _bounded(st):
     return out + [st.ngram.tail]
 
 
-@pytest.mark.parametrize("start", [12, 13])
-def test_rollback_equals_consuming_the_accepted_tokens(model, start):
+@pytest.mark.parametrize("start, n", [(12, 4), (13, 4), (3, 9)])
+def test_rollback_equals_consuming_the_accepted_tokens(model, start, n):
+    """(3, 9): a chunk one longer than the window (W = 8), whose accepted prefix's window rows the chunk itself
+    overwrote, so every m must re-run (a fast path there restored stale window rows: logits off by ~1.6)."""
     cfg, params = model
-    ids = torch.randint(0, cfg.vocab_size, (2, start + 4), generator=torch.Generator().manual_seed(start))
+    assert cfg.window_size == 8
+    ids = torch.randint(0, cfg.vocab_size, (2, start + n), generator=torch.Generator().manual_seed(start))
     prefix = fd.forward(params, {"input_ids": ids[:, :start]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
     chunk = ids[:, start:]
     kinds = set()
-    for m in range(1, 5):
+    for m in range(1, n + 1):
         # every trial and its reference grow their own copy of the prefix state: one future per state
         before = fd.clone_state(prefix)
         after = fd.forward(params, {"input_ids": chunk}, cfg=cfg, state=before).state
@@ -51,8 +54,11 @@ def test_rollback_equals_consuming_the_accepted_tokens(model, start):
         nxt = torch.tensor([[7], [8]])
         assert torch.equal(fd.forward(params, {"input_ids": nxt}, cfg=cfg, state=st).logits,
                            fd.forward(params, {"input_ids": nxt}, cfg=cfg, state=s).logits)
-    assert kinds == {False, True}                         # both the fast path and the re-run were used
-    assert spec.fast_rollback_ok(before, after, 4 - start % 2, cfg)
+    if n > cfg.window_size:                               # (m = n returns ``after`` itself: nothing to rebuild)
+        assert all(spec.fast_rollback_ok(before, after, m, cfg) is False for m in range(1, n))
+    else:
+        assert kinds == {False, True}                     # both the fast path and the re-run were used
+        assert spec.fast_rollback_ok(before, after, 4 - start % 2, cfg)
 
 
 def test_bad_input_leaves_state(model):
@@ -81,6 +87,19 @@ def test_bad_input_leaves_state(model):
 # ----------------------------------------------------------------------------- branching a state
 def _grow(params, cfg, st, ids):
     return fd.forward(params, {"input_ids": ids}, cfg=cfg, state=st)
+
+
+def test_a_one_token_future_goes_stale_too(model):
+    """The staleness bounds at their edge: a first future one token long (a decode step) is as stale as a longer
+    one once its parent grows again (a limit off by one accepted it, reading the overwritten history)."""
+    cfg, params = model
+    g = torch.Generator().manual_seed(2)
+    P, A, B, C = (torch.randint(3, 500, (2, n), generator=g) for n in (10, 1, 1, 1))
+    st0 = _grow(params, cfg, init_state(cfg, 2, 32), P).state
+    a = _grow(params, cfg, st0, A).state
+    _grow(params, cfg, st0, B)
+    with pytest.raises(ValueError, match=r"stale.*fd\.clone_state"):
+        _grow(params, cfg, a, C)
 
 
 def test_growing_a_state_twice_makes_the_first_future_stale(model):

@@ -29,6 +29,9 @@ def test_pack_keeps_every_token_once_and_restarts_positions():
     assert all(len(p) <= 8 for p in pieces) and any(len(s) > 8 for s in samples)  # long ones were split
     n_tok = sum(len(s) for s in samples)
     assert int((ids != 2).sum()) == n_tok               # the rest is padding
+    # padding is a segment of its own, counting 0, 1, ... like a sample (position 0 everywhere passed before)
+    ids, pos = D.pack(_samples([3]), row_len=7, pad_id=2)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3]] and (ids[0, 3:] == 2).all()
 
 
 def test_labels_never_cross_samples_or_padding():
@@ -98,6 +101,10 @@ def test_a_corpus_line_is_one_sample_whatever_unicode_separators_it_holds(tmp_pa
     tok = T.load_tokenizer()
     assert [tok.decode(s[1:-1].tolist()) for s in samples] == [
         "Once upon a time\u2028there was a cat.", "The dog\x0cran away.", "End"]
+    # a line's own trailing blanks are its text (only the line break goes): rstrip() dropped them
+    p.write_bytes("Two spaces after  \nand a tab\t\n".encode("utf-8"))
+    samples = D.load_samples(str(p), T.TOKENIZER_JSON)
+    assert [tok.decode(s[1:-1].tolist()) for s in samples] == ["Two spaces after  ", "and a tab\t"]
 
 
 def test_a_byte_order_mark_is_not_text_of_the_first_sample(tmp_path):

@@ -79,6 +79,9 @@ def test_clip_matches_torch():
     small = {"a": torch.full((3,), 0.01)}
     same, _ = optim.clip_by_global_norm(small, 1.0)
     assert torch.equal(same["a"], small["a"])
+    for off in (0.0, -1.0):                              # <= 0 turns clipping off (0 zeroed every gradient)
+        kept, norm = optim.clip_by_global_norm(grads, off)
+        assert all(torch.equal(kept[k], grads[k]) for k in grads) and float(norm) > 1.0
 
 
 def test_schedule_values():
