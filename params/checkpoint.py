@@ -288,12 +288,14 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     If ``cfg`` has Engram layers and ``tokenizer`` (a tokenizer.json path) is given or the folder
     holds ``tokenizer.json``, ``params["engram_token_map"]`` (int64 ``[vocab]``, SPEC §6.1) is built
     with ``functional_dsv41.engram.build_token_map`` and checked against ``cfg.engram_compressed_vocab_size``; a
-    ``tokenizer`` path that does not exist is an error. A ``cfg`` whose ``engram_num_embeddings`` do not fit the Engram
-    hash layout (a config built in code) is a :class:`CheckpointError`, strict or not: forward refuses such tables.
+    ``tokenizer`` path that is a folder or does not exist is an error, raised before any tensor is read. A ``cfg``
+    whose ``engram_num_embeddings`` do not fit the Engram hash layout (a config built in code) is a
+    :class:`CheckpointError`, strict or not: forward refuses such tables.
     """
     require_config(cfg, "load_params")       # a path or a dict failed deep inside the spec walk
     _check_engram_layout(cfg, "load_params")   # (strict or not: the tables would be unusable)
     path = Path(path)
+    tok = _token_map_source(path, cfg, tokenizer)   # before any tensor is read: a wrong path fails at once
     where = _resolve(path)
     shards = sorted(set(where.values()))
     missing = [p for p in shards if not p.is_file()]
@@ -339,7 +341,10 @@ def load_params(path, cfg: Config, *, strict: bool = True, mmap_engram: bool = F
     del flat
     from functional_dsv41.moe import pack_experts
     pack_experts(params, inplace=True)          # the fp4 experts of a layer as views of one buffer (moe.py)
-    _add_token_map(params, path, cfg, tokenizer)
+    if tok is not None:
+        from functional_dsv41.engram import build_token_map
+        params[TOKEN_MAP] = torch.as_tensor(build_token_map(str(tok), expected_size=cfg.engram_compressed_vocab_size),
+                                            dtype=torch.int64)
     return params
 
 
@@ -352,8 +357,11 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-def _add_token_map(params: dict, path: Path, cfg: Config, tokenizer) -> None:
-    if tokenizer is not None:           # checked even where no Engram layer reads it: a wrong path is a mistake
+def _token_map_source(path: Path, cfg: Config, tokenizer) -> Path | None:
+    """The tokenizer.json the Engram token map is built from: ``tokenizer`` if given (refused if it is a folder or
+    is not there, even where no Engram layer reads it: a wrong path is a mistake), else the checkpoint folder's own
+    if it has one; None without Engram layers or without a tokenizer."""
+    if tokenizer is not None:
         tok = Path(tokenizer)
         if tok.is_dir():
             raise IsADirectoryError(f"load_params: tokenizer {tok} is a folder: pass its tokenizer.json")
@@ -361,11 +369,9 @@ def _add_token_map(params: dict, path: Path, cfg: Config, tokenizer) -> None:
             raise FileNotFoundError(f"load_params: tokenizer {tok} does not exist"
                                     + (" (the Engram token map needs it)" if cfg.engram_layer_ids else ""))
     if not cfg.engram_layer_ids:
-        return
+        return None
     if tokenizer is None:
         tok = (path if path.is_dir() else path.parent) / "tokenizer.json"
         if not tok.is_file():
-            return
-    from functional_dsv41.engram import build_token_map
-    params[TOKEN_MAP] = torch.as_tensor(build_token_map(str(tok), expected_size=cfg.engram_compressed_vocab_size),
-                                        dtype=torch.int64)
+            return None
+    return tok
