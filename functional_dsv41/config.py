@@ -83,8 +83,9 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     if os.path.isdir(path):
         raise IsADirectoryError(f"cannot write {path}: it is a folder, not a file")
     if not os.path.isdir(parent):
-        raise (NotADirectoryError if os.path.exists(parent) else FileNotFoundError)(
-            f"cannot write {path}: {parent} {'is a file, not a folder' if os.path.exists(parent) else 'does not exist'}")
+        if os.path.exists(parent):
+            raise NotADirectoryError(f"cannot write {path}: {parent} is a file, not a folder")
+        raise FileNotFoundError(f"cannot write {path}: {parent} does not exist")
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
