@@ -157,6 +157,9 @@ def forward(params: dict, batch: dict, *, cfg: Config, state: Optional[DecodeSta
     (``block_wrapper(block)(p, h, pre, ...)``), e.g. activation checkpointing (``train.step.remat``).
     ``debug``: a dict to receive intermediate tensors keyed like the golden files.
 
+    Length: without a state a chunk may be at most ``cfg.max_seq_len`` tokens (as the reference, whose RoPE table
+    is that long); with one, up to the state's own ``max_seq_len`` (``init_state``'s, which may be larger).
+
     State: the returned ``out.state`` continues ``state``; ``state`` itself stays valid (shorter).
     The compressed-KV histories are preallocated buffers shared along a history (no copy per step),
     so growing a state again overwrites what its earlier continuations wrote: those continuations

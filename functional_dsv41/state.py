@@ -235,7 +235,11 @@ def check_state_fits(cfg: Config, batch_size: int, max_seq_len: Optional[int] = 
 
 def init_state(cfg: Config, batch_size: int, max_seq_len: Optional[int] = None, *, device=None) -> DecodeState:
     """An empty state for ``batch_size`` rows of up to ``max_seq_len`` tokens (default cfg.max_seq_len).
-    Raises ValueError when it would not fit the memory ``device`` has free (``check_state_fits``)."""
+    Raises ValueError when it would not fit the memory ``device`` has free (``check_state_fits``).
+
+    ``max_seq_len`` may exceed ``cfg.max_seq_len``: RoPE is computed per position and YaRN reads
+    ``original_seq_len`` (SPEC §3), so a state's own capacity is the only limit of a stateful run. (The
+    reference's generate caps a run at ``cfg.max_seq_len``, the length of its precomputed RoPE table.)"""
     require_config(cfg, "init_state")
     batch_size = positive_int("init_state", "batch_size", batch_size)
     max_seq_len = cfg.max_seq_len if max_seq_len is None else positive_int("init_state", "max_seq_len", max_seq_len)

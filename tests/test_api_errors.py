@@ -370,6 +370,63 @@ def test_forward_checks_the_params_against_the_config(model):
     assert torch.equal(fd.forward(no_mtp, batch, cfg=cfg).logits, fd.forward(params, batch, cfg=cfg).logits)
 
 
+def test_a_tree_that_passed_is_checked_again_after_any_leaf_changes(model, monkeypatch):
+    """forward remembers a tree that passed the params check (the spec walk cost 0.6-0.9 s a call at the release's
+    size, on every decode step): the same tree again skips the walk, and a leaf replaced, removed or added
+    anywhere in it is checked again and refused."""
+    import optree
+    from functional_dsv41 import validate
+    from functional_dsv41.pytree import OPTREE_NAMESPACE
+    cfg, params = model
+    tree = optree.tree_map(lambda t: t, params, namespace=OPTREE_NAMESPACE)   # the same tensors, new containers
+    batch = {"input_ids": torch.tensor([[1, 2, 3]])}
+    walks = []
+    real_walk = validate._check_params_walk
+    monkeypatch.setattr(validate, "_check_params_walk", lambda *a: (walks.append(1), real_walk(*a))[1])
+    ref = fd.forward(tree, batch, cfg=cfg).logits
+    fd.forward(tree, batch, cfg=cfg)
+    assert len(walks) == 1                                  # the second call found the tree it had checked
+    wq = tree["layers"][3]["attn"]["wq_a"]["weight"]
+    tree["layers"][3]["attn"]["wq_a"]["weight"] = wq[:-1]   # in place, deep inside the same containers
+    with pytest.raises(ValueError, match=r"layers\.3\.attn\.wq_a\.weight is \(\d+, \d+\), expected"):
+        fd.forward(tree, batch, cfg=cfg)
+    tree["layers"][3]["attn"]["wq_a"]["weight"] = wq.to(torch.int32)     # same shape, a dtype that is refused
+    with pytest.raises(ValueError, match=r"layers\.3\.attn\.wq_a\.weight"):
+        fd.forward(tree, batch, cfg=cfg)
+    tree["layers"][3]["attn"]["wq_a"]["weight"] = wq
+    n = len(walks)
+    assert torch.equal(fd.forward(tree, batch, cfg=cfg).logits, ref)
+    assert len(walks) == n                                  # leaf for leaf the tree that passed: not walked
+    head = tree.pop("head")
+    with pytest.raises(ValueError, match=r"head\.weight is missing"):
+        fd.forward(tree, batch, cfg=cfg)
+    tree["head"] = head
+    tree["layers"][0]["attn"]["extra"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.extra is not a parameter of this config"):
+        fd.forward(tree, batch, cfg=cfg)
+    del tree["layers"][0]["attn"]["extra"]
+    n = len(walks)
+    fd.forward(tree, batch, cfg=cfg)
+    assert len(walks) == n
+    fd.forward(tree, batch, cfg=cfg.replace(temperature=0.5))   # another config: checked for that config
+    fd.forward(tree, batch, cfg=cfg)
+    assert len(walks) == n + 1
+    # a remembered leaf that dies drops the record: its address may come back as another tensor
+    key = (cfg, id(tree))
+    assert key in validate._PASSED
+    tree["layers"][3]["attn"]["wq_a"]["weight"] = wq.clone()
+    del wq
+    import gc
+    gc.collect()
+    assert key in validate._PASSED                          # the old wq_a is still held by `params`
+    old = tree["layers"][3]["attn"]["wq_a"]["weight"]
+    fd.forward(tree, batch, cfg=cfg)                        # the clone: checked and remembered
+    tree["layers"][3]["attn"]["wq_a"]["weight"] = params["layers"][3]["attn"]["wq_a"]["weight"]
+    del old
+    gc.collect()
+    assert key not in validate._PASSED
+
+
 def test_input_ids_type_and_rank_are_checked_even_without_validate(model):
     cfg, params = model
     with pytest.raises(TypeError, match="input_ids must be an integer tensor, got torch.float32"):

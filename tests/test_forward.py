@@ -83,6 +83,24 @@ def test_chunked_prefill_bitwise_where_index_lists_grow(sizes):
     assert torch.equal(logits, ref_logits)
 
 
+def test_a_state_runs_past_the_configs_max_seq_len():
+    """cfg.max_seq_len bounds a stateless chunk (the reference's RoPE table length) and is init_state's default
+    capacity; a state made larger runs past it (RoPE is per position, YaRN reads original_seq_len) and gives
+    the bits of one prefill under a config whose limit covers the whole run."""
+    cfg, params = random_model(compress_ratios=(0, 0, 3, 3, 3, 1, 1, 1, 1, 1, 0, 0), window_size=5, max_seq_len=96)
+    ids = torch.randint(3, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(2))
+    ref = fd.forward(params, {"input_ids": ids}, cfg=cfg).logits
+    short = cfg.replace(max_seq_len=32)
+    with pytest.raises(ValueError, match="chunk of 70 tokens at position 0 runs past max_seq_len 32"):
+        fd.forward(params, {"input_ids": ids}, cfg=short)
+    st, logits, pos = fd.init_state(short, 2, 70), [], 0
+    for n in (30, 1, 4, 2, 33):
+        out = fd.forward(params, {"input_ids": ids[:, pos:pos + n]}, cfg=short, state=st)
+        st, pos = out.state, pos + n
+        logits.append(out.logits)
+    assert torch.equal(torch.cat(logits, 1), ref)
+
+
 def test_chunked_prefill_matches_golden_prefix_prefills():
     """decode.{k}.prefill_logits are the reference's prefill of P+k+1 tokens: one chunk of 41 + k+1 singles."""
     skip_off_golden_trajectory("tiny-bf16")
