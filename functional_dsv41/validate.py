@@ -183,9 +183,9 @@ def _remember_passed(params, cfg: Config, flat) -> None:
     leaves, spec = flat
     key = (cfg, id(params))
 
-    def forget(_ref, key=key):              # a leaf died: its address may be reused by another tensor
-        if _PASSED.get(key) is rec:
-            del _PASSED[key]
+    def forget(_ref, key=key, passed=_PASSED):   # a leaf died: its address may be reused by another tensor
+        if passed.get(key) is rec:                  # (the dict bound here: at exit the module's globals are None)
+            del passed[key]
     try:
         rec = _Passed(spec, leaves, forget)
     except TypeError:                        # a leaf without weak references (not a tensor): not remembered

@@ -505,3 +505,29 @@ def test_load_and_save_need_a_config(tmp_path):
         with pytest.raises(TypeError, match=r"save_params: cfg must be a functional_dsv41.Config"):
             fd.save_params({}, tmp_path / "out", bad)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_hf_fp8_wo_a_with_partial_blocks_loads_strict_or_not(tmp_path, strict):
+    """An fp8 wo_a whose rows are not a multiple of 32 (o_lora_rank 20: [40, 128]) carries one e8m0 scale per 32 x 32
+    block, partial blocks included: ceil(40/32) x ceil(128/32) = [2, 4] (SPEC §9). It loads, strict or not, as the
+    bf16 wo_a of our layout: the dequantised values, and no wo_a.scale left in the tree."""
+    from safetensors.torch import save_file
+
+    from functional_dsv41 import quant
+    cfg = fd.Config.tiny(o_lora_rank=20)
+    flat = fd.flatten_with_paths(fd.init_params(cfg, seed=0))
+    name = "layers.3.attn.wo_a.weight"
+    assert tuple(flat[name].shape) == (40, 128)
+    hf = {k: v.contiguous() for k, v in flat.items()}
+    q, s = quant.quant_fp8_block(flat[name].float())
+    assert tuple(s.shape) == (2, 4)
+    hf[name], hf["layers.3.attn.wo_a.scale"] = q, s
+    save_file(hf, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = fd.load_params(tmp_path, cfg, strict=strict)
+    wo_a = got["layers"][3]["attn"]["wo_a"]
+    assert set(wo_a) == {"weight"} and wo_a["weight"].dtype == torch.bfloat16
+    e = s.view(torch.uint8).long() - 127                   # W[i, j] = q[i, j] * 2^(E[i//32, j//32] - 127)
+    want = q.float() * torch.exp2(e.repeat_interleave(32, 0)[:40].repeat_interleave(32, 1)[:, :128].float())
+    assert torch.equal(wo_a["weight"], want.bfloat16())
+    assert set(fd.flatten_with_paths(got)) == set(flat)

@@ -339,3 +339,29 @@ def test_template_markers_inside_assistant_text_are_refused():
                         "not JSON-serialisable")]:
         with pytest.raises((ValueError, TypeError), match=match):
             E.encode_messages([{"role": "user", "content": "hi"}, msg, {"role": "user", "content": "ok"}], "thinking")
+
+
+def test_malformed_assistant_and_tool_messages_are_refused():
+    """Input the template cannot render faithfully is refused, naming the message: an argument holding the
+    parameter's closing tag (the DSML block would end early and not parse back), reasoning_content and its alias
+    reasoning that disagree (which one renders?), and a task on a tool message (tasks belong on system, user or
+    latest_reminder messages, SPEC §14 item 6)."""
+    close = "</｜DSML｜ parameter>"
+    with pytest.raises(ValueError, match=r"messages\[1\] \(assistant\) tool_calls\[0\].*'a' contains"):
+        encode_messages([user("Q"), asst("", calls=[{"name": "f", "arguments": {"a": f"x{close}y"}}])], "chat")
+    with pytest.raises(ValueError, match=r"messages\[1\] \(assistant\).*'reasoning_content' and 'reasoning' disagree"):
+        encode_messages([user("Q"), {"role": "assistant", "content": "A", "reasoning_content": "R1",
+                                     "reasoning": "R2"}], "thinking")
+    with pytest.raises(ValueError, match=r"messages\[2\] \(tool\): task 'query' is not allowed"):
+        encode_messages([user("Q"), asst("", calls=CALLS[:1]), {"role": "tool", "content": "r", "task": "query"}],
+                        "chat")
+
+
+def test_parse_refuses_a_parameter_given_twice():
+    """A generated call naming one parameter twice is malformed: keeping either value silently would change the
+    call."""
+    block = ('<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+             '<｜DSML｜ parameter name="a" string="true">1</｜DSML｜ parameter>\n'
+             '<｜DSML｜ parameter name="a" string="true">2</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+    with pytest.raises(ValueError, match=r"DSML tool call 'f': parameter 'a' given twice"):
+        parse_assistant("r</think>x\n\n" + block)

@@ -257,3 +257,23 @@ def test_tree_diff_equal_non_finite_values_do_not_spoil_the_cosine():
     assert [r.path for r in d.worst(1)] == ["flipped"]
     d = fd.tree_diff({"x": torch.tensor([1.0, float("nan")])}, {"x": torch.tensor([1.0, 2.0])})
     assert d.rows[0].cos_diff != d.rows[0].cos_diff                      # NaN against a number: still NaN
+
+
+def test_leaves_on_one_path_are_refused_not_overwritten():
+    """{0: x, "0": y} has two leaves whose paths are both "0": a flat {path: leaf} view holds one of them, so the
+    other would vanish from a save or a tree_diff. Refused by name instead."""
+    x, y = torch.zeros(1), torch.ones(1)
+    with pytest.raises(ValueError, match=r"^flatten_with_paths: two leaves share the path '0'"):
+        fd.flatten_with_paths({0: x, "0": y})
+    with pytest.raises(ValueError, match=r"^tree_diff \(b\): two leaves share the path 'a.1'"):
+        fd.tree_diff({"a": {1: x}}, {"a": {1: x, "1": y}})
+
+
+def test_tree_diff_non_tensor_leaves_of_other_types():
+    """Non-tensor leaves that compare equal with == but differ in type (3 vs 3.0, True vs 1) are a 'type' row naming
+    both types (DiffRow's status list), not 'ok'."""
+    d = fd.tree_diff({"n": 3, "b": True, "s": "x"}, {"n": 3.0, "b": 1, "s": "x"}, atol=0)
+    rows = {r.path: r for r in d.rows}
+    assert (rows["n"].status, rows["n"].note) == ("type", "int vs float")
+    assert (rows["b"].status, rows["b"].note) == ("type", "bool vs int")
+    assert rows["s"].status == "ok" and not d.ok

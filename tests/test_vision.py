@@ -541,3 +541,109 @@ def test_to_rgb_array_layout():
         ip.to_rgb_array(np.zeros((6, 5, 7), np.uint8))
     with pytest.raises(ValueError, match=r"5 channels in the \[c, h, w\] shape \(5, 7, 3\)"):
         ip.to_rgb_array(hwc, layout="chw")
+
+
+def test_span_layout_checked_beyond_its_length():
+    """SPEC §12: a span is START + ([IMAGE]*n_llm_w + NEW_LINE)*n_llm_h + END. A span of the right length with another
+    layout (a NEW_LINE moved one slot), a stray IMAGE_START before the span, or patches whose element count matches
+    [N, 3, 14, 14] in another shape are refused, not merged."""
+    cfg, params, g = setup()
+    b = vl_batch(g, int(g["prefill_len"]))
+    r, a = g["image.0.row_start"].tolist()
+    j = g["image.0.types"].tolist().index(2)               # first IMAGE_NEW_LINE of the span
+    tt = b["token_types"].clone()
+    tt[r, a + j - 1], tt[r, a + j] = 2, 1                  # same length and type counts, other layout
+    with pytest.raises(ValueError, match="does not fit"):
+        fd.forward(params, dict(b, token_types=tt), cfg=cfg)
+    tt = b["token_types"].clone()
+    tt[r, a - 1] = 0                                       # a stray IMAGE_START on the text token before the span
+    with pytest.raises(ValueError, match=rf"IMAGE_START at {a} inside the span opened at {a - 1}"):
+        fd.forward(params, dict(b, token_types=tt), cfg=cfg)
+    patches, grid = b["images"][r][0]
+    for bad in (patches.reshape(patches.shape[0], 12, 7, 7), patches[:, :1]):
+        with pytest.raises(ValueError, match="do not match grid"):
+            fd.forward(params, dict(b, images=[[(bad, grid)] if i == r else None for i in range(2)]), cfg=cfg)
+
+
+@pytest.mark.parametrize("w, h, canvas", [
+    # grid width sqrt(1022 / (5636/1500) + 1/4) - 1/2 = 16.00004 -> 16 cells (60 tall at this aspect): beta =
+    # min(16*42/1500, 60*42/5636) = 2520/5636 -> 1500*beta/14 = 47.9 -> 658, 5636*beta/14 = 180 -> 2520 (1022 tokens);
+    # without the 1/4 the width floors to 15 cells and the canvas to 630 x 2366
+    (1500, 5636, (658, 2520)),
+    # exactly at the budget: ceil to 14 gives 3024 x 588, 216 x 42 patches = 72 x 14 cells, 14 * (72 + 1) + 2 = 1024
+    # tokens, not over it: kept (a shrink of 3020 x 580 would give 2842 x 546)
+    (3020, 580, (3024, 588)),
+    # under min_pixels: s = sqrt(295936 / 11700) = 5.0293; sides int(502.93) = 502, int(588.43) = 588 -> ceil to
+    # 14: 504 x 588 (a rounded-up 589 would take a 43rd patch row, 602)
+    (100, 117, (504, 588)),
+])
+def test_plan_canvas_boundaries_follow_spec(w, h, canvas):
+    """SPEC §12 at its boundaries: the upscale truncates the sides (int), shrinking starts only OVER 1024 tokens,
+    and the shrink's grid width is the real root of n_w * ratio * (n_w + 1) = 1022 (the 1/4 under the root)."""
+    cfg = fd.Config.flash()
+    plan = ip.plan_image_grid(w, h, cfg)
+    assert (plan["best_w"], plan["best_h"]) == canvas
+    assert (plan["n_vit_w"], plan["n_vit_h"]) == (canvas[0] // 14, canvas[1] // 14)
+    assert plan["n_tokens"] == ip.n_image_tokens(plan["n_llm_h"], plan["n_llm_w"]) <= cfg.vision_max_n_token
+
+
+def test_pad_to_rounds_the_contained_side():
+    """ImageOps.pad = ImageOps.contain + centred paste: the contained side is round(h / w * best_w) (Python round),
+    not truncated: a 20 x 9 image on a 28 x 28 canvas is 28 x round(12.6) = 13 rows tall, from row round(7.5) = 8."""
+    img = np.full((9, 20, 3), 200, np.uint8)
+    out = ip.pad_to(img, 28, 28)
+    rows = (out[:, 0, 0] == 200).nonzero()[0]
+    assert (rows[0], rows[-1]) == (8, 20)
+    assert (out[:8] == ip.PAD_COLOR).all() and (out[21:] == ip.PAD_COLOR).all()
+    wide = np.full((20, 9, 3), 200, np.uint8)                 # the same along the width
+    cols = (ip.pad_to(wide, 28, 28)[0, :, 0] == 200).nonzero()[0]
+    assert (cols[0], cols[-1]) == (8, 20)
+
+
+def _png_filtered(pixels: np.ndarray, filters) -> bytes:
+    """An 8-bit PNG (grey, grey + alpha, RGB or RGBA by the channel count) whose row y uses filter ``filters[y]`` (0 None,
+    1 Sub, 2 Up, 3 Average, 4 Paeth), filtered per the PNG specification from the raw bytes: a = left, b = up,
+    c = up-left (0 outside the image)."""
+    import struct
+    import zlib
+    h, w, c = pixels.shape
+    raw = pixels.reshape(h, w * c).astype(np.int64)
+    out = []
+    for y in range(h):
+        f = filters[y % len(filters)]
+        row, up = raw[y], raw[y - 1] if y else np.zeros(w * c, np.int64)
+        left = np.concatenate([np.zeros(c, np.int64), row[:-c]])
+        upleft = np.concatenate([np.zeros(c, np.int64), up[:-c]])
+        if f == 0:
+            pred = np.zeros_like(row)
+        elif f == 1:
+            pred = left
+        elif f == 2:
+            pred = up
+        elif f == 3:
+            pred = (left + up) // 2
+        else:
+            p = left + up - upleft
+            pa, pb, pc = np.abs(p - left), np.abs(p - up), np.abs(p - upleft)
+            pred = np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, up, upleft))
+        out.append(bytes([f]) + ((row - pred) & 255).astype(np.uint8).tobytes())
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    ctype = {1: 0, 2: 4, 3: 2, 4: 6}[c]
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, ctype, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"".join(out))) + chunk(b"IEND", b""))
+
+
+def test_decode_png_every_filter_and_colour_type():
+    """All five PNG row filters (the test above writes only None and Sub; Pillow's writer picks any per row), in
+    every 8-bit colour type; grey + alpha becomes RGB from the grey channel (alpha dropped, as convert("RGB"))."""
+    rng = np.random.default_rng(4)
+    for c in (1, 2, 3, 4):
+        px = rng.integers(0, 256, (9, 6, c), dtype=np.uint8)
+        for filters in ([2], [3], [4], [0, 1, 2, 3, 4]):
+            assert np.array_equal(ip.decode_png(_png_filtered(px, filters)), px), (c, filters)
+    la = rng.integers(0, 256, (5, 7, 2), dtype=np.uint8)
+    want = np.repeat(la[..., :1], 3, axis=2)
+    assert np.array_equal(ip.to_rgb_array(la), want)
+    assert np.array_equal(ip.to_rgb_array(_png_filtered(la, [4])), want)
