@@ -256,6 +256,58 @@ def test_rollback_refuses_mismatched_inputs(model):
     assert st.pos == 8
 
 
+def test_rollback_refuses_a_wrong_number_of_accepted_tokens(model):
+    """m must be in [1, chunk]: 0 accepted tokens, or one more than the verified chunk, is a ValueError, not a state
+    whose position is not what the forward consumed (start 6, chunk 3: m = 0 and m = 4 both land on positions
+    aligned to the ratio-2 groups, where the fast path would build a state without a forward)."""
+    cfg, params = model
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = fd.forward(params, {"input_ids": ids[:, :6]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
+    after = fd.forward(params, {"input_ids": ids[:, 6:9]}, cfg=cfg, state=before).state
+    with pytest.raises(ValueError, match="rollback: 0 accepted tokens for a chunk of 3"):
+        spec.rollback(params, before, after, ids[:, 6:6], cfg=cfg)
+    with pytest.raises(ValueError, match="rollback: 4 accepted tokens for a chunk of 3"):
+        spec.rollback(params, before, after, ids[:, 6:10], cfg=cfg)
+
+
+def test_rollback_of_the_whole_chunk_needs_no_rerun(model):
+    """Every token of the chunk accepted: the verify forward's state is the answer, with no extra forward, also
+    where the new position (13 + 4 = 17) is inside a ratio-2 group (the case a rollback must otherwise re-run)."""
+    cfg, params = model
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(13))
+    before = fd.forward(params, {"input_ids": ids[:, :13]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
+    after = fd.forward(params, {"input_ids": ids[:, 13:]}, cfg=cfg, state=before).state
+    st, reran = spec.rollback(params, before, after, ids[:, 13:], cfg=cfg)
+    assert reran is False and st.pos == after.pos == 17
+    for a, b in zip(_bounded(st), _bounded(after)):
+        assert torch.equal(a, b)
+
+
+def test_fast_rollback_of_a_chunk_as_long_as_the_window(model):
+    """A verified chunk of exactly window_size (8) tokens wrote every ring slot once, so restoring the rejected
+    slots from `before` is exact: the fast path applies (module docstring: valid when the chunk is at most
+    window_size long) and equals plain one-token decode of the accepted tokens."""
+    cfg, params = model
+    start, n = 4, cfg.window_size
+    ids = torch.randint(0, cfg.vocab_size, (2, start + n), generator=torch.Generator().manual_seed(21))
+    prefix = fd.forward(params, {"input_ids": ids[:, :start]}, cfg=cfg, state=init_state(cfg, 2, 32)).state
+    chunk = ids[:, start:]
+    for m in (2, 6):
+        before = fd.clone_state(prefix)
+        after = fd.forward(params, {"input_ids": chunk}, cfg=cfg, state=before).state
+        assert spec.fast_rollback_ok(before, after, m, cfg)
+        st, reran = spec.rollback(params, before, after, chunk[:, :m], cfg=cfg)
+        assert reran is False
+        s = fd.clone_state(prefix)
+        for j in range(m):
+            s = fd.forward(params, {"input_ids": chunk[:, j:j + 1]}, cfg=cfg, state=s).state
+        for a, b in zip(_bounded(st), _bounded(s)):
+            assert torch.equal(a, b), m
+        nxt = torch.tensor([[7], [8]])
+        assert torch.equal(fd.forward(params, {"input_ids": nxt}, cfg=cfg, state=st).logits,
+                           fd.forward(params, {"input_ids": nxt}, cfg=cfg, state=s).logits)
+
+
 def test_forward_refuses_a_state_on_another_device(model):
     """A state built on another device than input_ids failed inside torch ("Expected all tensors to be on the
     same device", a review helper's GPU probe); forward names both devices (host-side: no device work)."""

@@ -367,3 +367,96 @@ def test_assert_golden_bits_tolerance(monkeypatch):
     monkeypatch.setattr(conftest, "bf16_gemm_sums_like_golden", lambda: True)
     with pytest.raises(AssertionError, match="should give the golden bits"):
         conftest.assert_golden_bits(one, ref, "one ulp")
+
+
+# ----------------------------------------------------------------------------- mutation-audit additions
+@pytest.mark.parametrize("vocab", [120, 127])
+def test_layout_small_vocab_primes_follow_spec(vocab):
+    """SPEC §6.2 by hand for engram_vocab_size 120 (121 = 11^2, 125 = 5^3 are composites a weak primality test
+    could pass) and 127 (itself prime: the search starts at vocab - 1, so 127 is the first prime taken).
+    One layer, orders 2..3, 2 heads: primes >= vocab, never reused, restarting per order."""
+    cfg = fd.Config.tiny().replace(engram_layer_ids=(1,), engram_num_embeddings=(534,), engram_vocab_size=vocab,
+                                   engram_max_ngram_size=3)
+    (lay,) = engram.layout(cfg)
+    assert lay.primes.tolist() == [[127, 131], [137, 139]]
+    assert lay.offsets.tolist() == [0, 127, 127 + 131, 127 + 131 + 137]
+    assert lay.rows == 127 + 131 + 137 + 139 == 534
+
+
+def test_hash_id_equal_to_vocab_size_is_refused():
+    """The range check's upper edge: id == vocab_size is outside [0, vocab_size) (a clear ValueError, not torch's
+    IndexError from the token-map gather)."""
+    cfg, tmap, g, _ = tiny("tiny-bf16")
+    x = g["input_ids"][:, :5].clone()
+    x[0, 2] = cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"token id {cfg.vocab_size} is outside the vocabulary"):
+        engram.hash_ids(x, cfg=cfg, token_map=tmap)
+
+
+def test_hash_shape_mismatches_are_refused():
+    """A cache, image mask or positions of another shape than the chunk's must be refused, not broadcast or read
+    at a shifted offset (a tail one longer silently hashes other tokens)."""
+    cfg, tmap, g, _ = tiny("tiny-bf16")
+    x = g["input_ids"][:, :5]
+    B, G = x.shape[0], cfg.engram_max_ngram_size - 1
+    long_tail = engram.NgramCache(torch.full((B, G + 1), engram.BEFORE_START, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"NgramCache.tail has shape \(2, 4\), expected \(2, 3\)"):
+        engram.hash_ids(x, cfg=cfg, token_map=tmap, cache=long_tail)
+    with pytest.raises(ValueError, match="image_mask shape"):
+        engram.hash_ids(x, cfg=cfg, token_map=tmap, image_mask=torch.zeros(1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="positions shape"):
+        engram.hash_ids(x, cfg=cfg, token_map=tmap, positions=torch.arange(5)[None])
+
+
+def test_hash_token_map_must_be_integer():
+    cfg, tmap, g, _ = tiny("tiny-bf16")
+    for bad in (tmap.float(), tmap > 0):
+        with pytest.raises(TypeError, match="must be an integer tensor"):
+            engram.hash_ids(g["input_ids"][:, :5], cfg=cfg, token_map=bad)
+
+
+def test_lookup_scale_mismatches_are_refused():
+    g = torch.Generator().manual_seed(1)
+    R, D = 50, 64
+    q, s = quant.quant_fp8_rows(torch.randn(R, D, generator=g))
+    ids = torch.tensor([[0, 7, 49]])
+    with pytest.raises(ValueError, match=r"needs an e8m0 scale \[50, 2\], got \(50, 1\)"):
+        engram.lookup(q, s[:, :1], ids)
+    with pytest.raises(ValueError, match=r"needs an e8m0 scale \[50, 2\], got None"):
+        engram.lookup(q, None, ids)
+    with pytest.raises(ValueError, match="takes no scale"):        # a float table with a scale: not silently ignored
+        engram.lookup(quant.dequant_fp8_rows(q, s, torch.bfloat16), s, ids)
+
+
+def test_validate_table_scale_rows_mismatch_is_clear():
+    cfg = tiny("tiny-fp8")[0]
+    p = engram_params("tiny-fp8", 1)
+    with pytest.raises(ValueError, match=r"scale of layer 1 has 2513 rows, expected 2514"):
+        engram.validate_table({"weight": p["embed"]["weight"], "scale": p["embed"]["scale"][:-1]}, cfg=cfg,
+                              layer_id=1)
+
+
+def test_engram_gate_clamps_tiny_dots_as_spec():
+    """SPEC §6.5: g = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))). With q_weight scaled down by 2^-30 every dot is
+    below 1e-6 in magnitude, so g = sigmoid(+-1e-3) exactly; h scaled by 2^-20 (dot does not depend on h's scale)
+    keeps the output ~ g * value. The dot, the gate and the write are written out here from §6.5."""
+    from functional_dsv41.linear import linear
+    cfg, _, g, _ = tiny("tiny-bf16")
+    L = cfg.engram_layer_ids[0]
+    p = engram_params("tiny-bf16", L)
+    p = {**p, "q_weight": p["q_weight"] * 2.0 ** -30}
+    ids = g["prefill.engram_hash"][:, :, 0]
+    h = g[f"prefill.layer.{L - 1}.h"] * 2.0 ** -20
+    B, S, N, M = h.shape
+    e = engram.lookup(p["embed"]["weight"], p["embed"].get("scale"), ids)
+    kv = linear(e, p["wkv"]).to(torch.bfloat16)
+    key, value = kv[..., :N * M].unflatten(-1, (N, M)).float(), kv[..., N * M:].float()
+    h32 = h.float()
+    dot = (h32 * p["q_weight"].float() * p["k_weight"].float() * key).sum(-1)
+    dot = dot * torch.rsqrt(h32.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
+    dot = dot / M ** 0.5
+    assert float(dot.abs().max()) < 1e-6 and bool((dot > 0).any()) and bool((dot < 0).any())
+    gate = torch.sigmoid(torch.sign(dot) * 1e-3)
+    want = (h32 + gate[..., None] * value[:, :, None, :]).to(torch.bfloat16)
+    out = engram.engram_write(p, h, ids, cfg=cfg)
+    assert torch.equal(out, want)

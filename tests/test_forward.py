@@ -134,6 +134,22 @@ def test_packed_samples_are_isolated():
     assert not torch.allclose(out_p2.logits[:, :23], out_p.logits[:, :23])
 
 
+def test_packed_rows_with_different_entry_counts_are_isolated():
+    """Two packed rows whose ratio-2 sources complete different numbers of compressed entries (row 0: one 40-token
+    sample, 20 entries; row 1: thirteen 3-token samples and a 1-token one, 13 entries): every row keeps all of its
+    own entries, so row 0 gives the logits of its sample run alone."""
+    cfg, params = random_model(seed=3)
+    n = 40
+    ids = torch.randint(3, cfg.vocab_size, (2, n), generator=torch.Generator().manual_seed(5))
+    positions = torch.stack([torch.arange(n), torch.cat([torch.arange(3)] * 13 + [torch.arange(1)])])
+    out = fd.forward(params, {"input_ids": ids, "positions": positions}, cfg=cfg)
+    alone = fd.forward(params, {"input_ids": ids[:1]}, cfg=cfg)
+    assert cosine_diff(out.logits[:1], alone.logits) < 1e-6
+    assert torch.equal(out.logits[0].argmax(-1), alone.logits[0].argmax(-1))
+    first = fd.forward(params, {"input_ids": ids[1:, :3]}, cfg=cfg)          # row 1's first sample
+    assert cosine_diff(out.logits[1:, :3], first.logits) < 1e-6
+
+
 def test_moe_sorted_and_dense_dispatch_agree():
     cfg, params = random_model(seed=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))

@@ -145,6 +145,32 @@ def test_rejection_rule_keeps_the_distribution():
     assert abs(float(ok.float().mean()) - 0.45) < 0.01   # acceptance rate = sum min(p, q) = 0.45
 
 
+def test_forced_block_tokens_are_accepted_by_fiat():
+    """forced (prompt tokens inside a drafted block) are accepted whatever the main model says: greedy where the
+    token is not the argmax, sampling where the main model gives it probability 0."""
+    logits = torch.zeros(1, 3, 5)
+    logits[0, 0, 2] = logits[0, 1, 4] = logits[0, 2, 0] = 1.0     # argmax per row: 2, 4, 0
+    block = torch.tensor([[2, 1]])                                  # agrees, then disagrees (1 != 4)
+    assert spec.accept_greedy(logits, block, torch.tensor([[False, False]])).tolist() == [[True, False]]
+    assert spec.accept_greedy(logits, block, torch.tensor([[False, True]])).tolist() == [[True, True]]
+    p = torch.tensor([[[0.0, 0.5, 0.5], [0.0, 0.5, 0.5]]])          # p(0) = 0: never accepted unless forced
+    q = torch.full((1, 2, 3), 1 / 3)
+    d = torch.tensor([[0, 0]])
+    ok = spec.accept_sampling(p, q, d, torch.tensor([[True, False]]), torch.Generator().manual_seed(0))
+    assert ok.tolist() == [[True, False]]
+
+
+def test_residual_where_nothing_is_left_is_p():
+    """norm(max(p - q, 0)); where p == q (e.g. top-p cut both to the same single token) p itself: generate samples
+    the residual of every row at the first rejected position, so an all-zero row would fail torch.multinomial."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.3, 0.2]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.2, 0.6]])
+    r = spec.residual(p, q)
+    assert torch.equal(r[0], p[0])
+    assert torch.allclose(r[1], torch.tensor([0.75, 0.25, 0.0]))
+    torch.multinomial(r, 1, generator=torch.Generator().manual_seed(0))   # a valid distribution in every row
+
+
 def test_bad_input():
     cfg, params = random_model()
     with pytest.raises(ValueError, match="prompt 1 is empty"):

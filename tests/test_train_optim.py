@@ -108,3 +108,62 @@ def test_non_finite_hyperparameters_are_refused():
     for lr, wd in ((float("inf"), 0.1), (1e-3, float("inf")), (float("nan"), 0.1)):
         with pytest.raises(ValueError, match="must be finite"):
             optim.adamw_update(grads, st, params, lr=lr, cfg=optim.AdamWConfig(weight_decay=wd))
+
+
+def test_adamw_bf16_param_is_updated_in_fp32_and_rounded_back():
+    """Module docstring: a bf16 parameter is updated in fp32 and rounded back, the moments are fp32 (bf16 gradients
+    promoted). One step from bf16 values equals torch's AdamW on their fp32 copies, rounded to bf16."""
+    g = torch.Generator().manual_seed(1)
+    params = {"layers.0.attn.wq_a.weight": torch.randn(8, 6, generator=g).bfloat16(),
+              "layers.0.attn_norm.weight": torch.randn(6, generator=g).bfloat16()}
+    grads = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in params.items()}
+    new, st = optim.adamw_update(grads, optim.adamw_init(params), params, lr=1e-2, cfg=optim.AdamWConfig())
+    ref = {k: v.float().requires_grad_(True) for k, v in params.items()}
+    topt = torch.optim.AdamW([{"params": [ref["layers.0.attn.wq_a.weight"]], "weight_decay": 0.1},
+                              {"params": [ref["layers.0.attn_norm.weight"]], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for k in ref:
+        ref[k].grad = grads[k].float()
+    topt.step()
+    for k in params:
+        assert new[k].dtype == torch.bfloat16, k
+        assert torch.equal(new[k], ref[k].detach().bfloat16()), k
+        assert st["mu"][k].dtype == st["nu"][k].dtype == torch.float32, k
+        assert torch.equal(st["mu"][k], topt.state[ref[k]]["exp_avg"]), k
+        assert torch.equal(st["nu"][k], topt.state[ref[k]]["exp_avg_sq"]), k
+
+
+def test_adamw_refuses_grads_of_other_params():
+    params = _tensors()
+    st = optim.adamw_init(params)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(KeyError, match=r"keys differ \(missing \[\], extra \['extra.weight'\]\)"):
+        optim.adamw_update({**grads, "extra.weight": torch.ones(2, 2)}, st, params, lr=1e-3)
+    short = {k: v for k, v in grads.items() if k != "layers.0.hc_attn_base"}
+    with pytest.raises(KeyError, match=r"keys differ \(missing \['layers.0.hc_attn_base'\]"):
+        optim.adamw_update(short, st, params, lr=1e-3)
+
+
+def test_clip_coefficient_near_a_tiny_norm_matches_torch():
+    """clip_grad_norm_'s coefficient is max_norm / (norm + 1e-6): it matters where the norm is ~1e-6
+    (norm 1e-6, max_norm 1e-7: coefficient 0.05, not 0.1)."""
+    grads = {"a": torch.full((4,), 5e-7), "b": torch.zeros(3)}
+    clipped, norm = optim.clip_by_global_norm(grads, 1e-7)
+    assert float(norm) == pytest.approx(1e-6, rel=1e-6)
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for r, g in zip(ref, grads.values()):
+        r.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(ref, 1e-7, foreach=False)
+    for r, g in zip(ref, clipped.values()):
+        assert torch.allclose(r.grad, g, rtol=1e-5, atol=0)
+    assert torch.allclose(clipped["a"], torch.full((4,), 5e-7 * 0.05), rtol=1e-5, atol=0)
+
+
+def test_schedule_without_room_to_decay():
+    """lr_at's docstring: a run with total - 1 <= warmup ends in warmup or at its peak (step warmup) and never
+    decays; the cosine then spans the one step after warmup (warmup 4: 0.25, 0.5, 0.75, 1 x peak, then peak)."""
+    f = lambda s, total: optim.lr_at(s, peak=2.0, warmup=4, total=total, min_ratio=0.1)
+    assert [f(s, 5) for s in range(5)] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0])
+    assert f(5, 5) == pytest.approx(0.2)                        # one step past warmup: the floor
+    assert [f(s, 3) for s in range(3)] == pytest.approx([0.5, 1.0, 1.5])
+    assert f(4, 4) == pytest.approx(2.0)
