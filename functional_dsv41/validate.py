@@ -157,7 +157,7 @@ class _Passed:
     """A tree that passed ``_check_params`` for a config: its structure and the ids of its leaves, each leaf
     watched by a weak reference whose death drops the record (so while it stands every id is a live object's,
     never a reused address)."""
-    __slots__ = ("spec", "ids", "refs", "__weakref__")
+    __slots__ = ("spec", "ids", "refs")
 
     def __init__(self, spec, leaves, forget):
         self.spec, self.ids = spec, list(map(id, leaves))
