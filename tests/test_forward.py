@@ -198,19 +198,26 @@ def test_hc_mixes_follow_spec_with_the_configs_sinkhorn_iterations(iters):
     fn = torch.randn((2 + hc) * hc, hc * cfg.dim, generator=g) * 0.05
     scale, base = torch.tensor([0.7, 1.3, 2.0]), torch.randn((2 + hc) * hc, generator=g)
     pre, post, comb = hc_mixes(h, fn, scale, base, cfg=cfg)
+    for got, want in zip((pre, post, comb), _hc_mixes_spec(h, fn, scale, base, iters, cfg.norm_eps, cfg.hc_eps)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _hc_mixes_spec(h, fn, scale, base, iters, norm_eps, hc_eps):
+    """SPEC §2's (pre, post, comb) written out in fp64 with torch's own functions: one RMS statistic over the
+    flattened streams (``norm_eps``), then the split and ``iters`` Sinkhorn iterations (``hc_eps``)."""
+    hc = h.shape[-2]
     v = h.flatten(-2).double()
-    m = (v @ fn.double().T) * torch.rsqrt(v.square().mean(-1, keepdim=True) + cfg.norm_eps)
-    sc, bs, eps = scale.double(), base.double(), cfg.hc_eps
-    want_pre = torch.sigmoid(m[..., :hc] * sc[0] + bs[:hc]) + eps
-    want_post = 2 * torch.sigmoid(m[..., hc:2 * hc] * sc[1] + bs[hc:2 * hc])
+    m = (v @ fn.double().T) * torch.rsqrt(v.square().mean(-1, keepdim=True) + norm_eps)
+    sc, bs, eps = scale.double(), base.double(), hc_eps
+    pre = torch.sigmoid(m[..., :hc] * sc[0] + bs[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * sc[1] + bs[hc:2 * hc])
     c = (m[..., 2 * hc:] * sc[2] + bs[2 * hc:]).unflatten(-1, (hc, hc)).softmax(-1) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)
         c = c / (c.sum(-2, keepdim=True) + eps)
-    for got, want in ((pre, want_pre), (post, want_post), (comb, c)):
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    return pre, post, c
 
 
 def test_moe_grouped_experts_equal_the_per_expert_loop(monkeypatch):
@@ -391,7 +398,7 @@ def test_pack_experts_views_one_buffer_and_keeps_values():
 def test_hc_mixes_rms_statistic_uses_norm_eps_at_small_activations():
     """SPEC §2: r = 1/sqrt(mean(v^2) + norm_eps), norm_eps = 1e-20 (not hc_eps = 1e-6, the split's eps). At unit-scale
     activations the two eps agree to ~1e-6 relative, inside the tolerance of the test above; at small activations
-    (mean(v^2) ~ 1e-10) the wrong eps shrinks m by ~100x. SPEC written out in fp64, as above."""
+    (mean(v^2) ~ 1e-10) the wrong eps shrinks m by ~100x. SPEC written out in fp64 (_hc_mixes_spec)."""
     from functional_dsv41.hyper import hc_mixes
     cfg = fd.Config.tiny()
     hc, g = cfg.hc_mult, torch.Generator().manual_seed(7)
@@ -399,15 +406,6 @@ def test_hc_mixes_rms_statistic_uses_norm_eps_at_small_activations():
     fn = torch.randn((2 + hc) * hc, hc * cfg.dim, generator=g) * 0.05
     scale, base = torch.tensor([0.7, 1.3, 2.0]), torch.randn((2 + hc) * hc, generator=g)
     pre, post, comb = hc_mixes(h, fn, scale, base, cfg=cfg)
-    v = h.flatten(-2).double()
-    m = (v @ fn.double().T) * torch.rsqrt(v.square().mean(-1, keepdim=True) + 1e-20)
-    sc, bs, eps = scale.double(), base.double(), 1e-6
-    want_pre = torch.sigmoid(m[..., :hc] * sc[0] + bs[:hc]) + eps
-    want_post = 2 * torch.sigmoid(m[..., hc:2 * hc] * sc[1] + bs[hc:2 * hc])
-    c = (m[..., 2 * hc:] * sc[2] + bs[2 * hc:]).unflatten(-1, (hc, hc)).softmax(-1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    for got, want in ((pre, want_pre), (post, want_post), (comb, c)):
+    spec = _hc_mixes_spec(h, fn, scale, base, cfg.hc_sinkhorn_iters, norm_eps=1e-20, hc_eps=1e-6)   # SPEC's values
+    for got, want in zip((pre, post, comb), spec):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
